@@ -1,0 +1,268 @@
+"""Frozen stats types that cross actor boundaries.
+
+Counts travel; ratios are properties computed from counts. Adding two stats
+objects adds their counts, so folding is associative and order-independent.
+A window is `None` for full attention or an int (sliding window, in tokens).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import TypeAlias
+
+Window: TypeAlias = int | None
+
+
+class SequenceStatus(enum.IntEnum):
+    """Where a sequence is in its life on one rank."""
+
+    QUEUEING = 0  # known, holds no blocks
+    IN_PREFILL = 1  # blocks held, prompt being computed
+    PREFILLED = 2
+    IN_DECODE = 3
+    ON_HOLD = 4  # paused, keeps its blocks
+    COMPLETED = 5  # blocks released
+
+
+VALID_STATUSES: frozenset[SequenceStatus] = frozenset(
+    {
+        SequenceStatus.IN_PREFILL,
+        SequenceStatus.PREFILLED,
+        SequenceStatus.IN_DECODE,
+        SequenceStatus.ON_HOLD,
+    }
+)
+"""Statuses that count for utilization: the sequence holds blocks."""
+
+
+def window_sort_key(window: Window) -> tuple[int, int]:
+    """Full attention first, then windows by size."""
+    return (0, 0) if window is None else (1, window)
+
+
+def window_label(window: Window) -> str:
+    return "full" if window is None else str(window)
+
+
+def ratio(numerator: int, denominator: int) -> float:
+    """numerator / denominator, 0.0 when the denominator is 0."""
+    return numerator / denominator if denominator else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BlockGauges:
+    """A snapshot of one block pool (or a sum of pools). Counts of blocks.
+
+    used: reference count > 0. cached: reference 0, key held, evictable.
+    free = total - used: free for allocation, cached blocks included.
+    """
+
+    num_blocks_total: int = 0
+    num_blocks_used: int = 0
+    num_blocks_cached: int = 0
+    tokens_per_block: int = 0  # 0 when summed over pools of different sizes
+
+    @property
+    def num_blocks_free(self) -> int:
+        return self.num_blocks_total - self.num_blocks_used
+
+    @property
+    def num_blocks_free_uncached(self) -> int:
+        return self.num_blocks_total - self.num_blocks_used - self.num_blocks_cached
+
+    @property
+    def usage(self) -> float:
+        """used / total in 0.0-1.0; 0.0 when total is 0."""
+        return ratio(self.num_blocks_used, self.num_blocks_total)
+
+    @property
+    def free_percent(self) -> float:
+        """100 * free / total; 0.0 when total is 0."""
+        return 100.0 * ratio(self.num_blocks_free, self.num_blocks_total)
+
+    def __add__(self, other: BlockGauges) -> BlockGauges:
+        if self.num_blocks_total == 0 and self.tokens_per_block == 0:
+            tpb = other.tokens_per_block
+        elif other.num_blocks_total == 0 and other.tokens_per_block == 0:
+            tpb = self.tokens_per_block
+        else:
+            tpb = self.tokens_per_block if self.tokens_per_block == other.tokens_per_block else 0
+        return BlockGauges(
+            self.num_blocks_total + other.num_blocks_total,
+            self.num_blocks_used + other.num_blocks_used,
+            self.num_blocks_cached + other.num_blocks_cached,
+            tpb,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDeltas:
+    """Counts for one window over one interval (or a sum of intervals/windows)."""
+
+    alloc_new_blocks: int = 0  # taken from the free pool (fresh or by eviction)
+    reused_blocks: int = 0  # prompt blocks found in this rank's prefix cache
+    onboarded_blocks: int = 0  # prompt blocks copied in from the host tier
+    onboarded_bytes: int = 0
+    missed_blocks: int = 0  # prompt blocks computed afresh (partial last included)
+    gen_alloc_blocks: int = 0  # blocks allocated while decoding
+    evicted_blocks: int = 0  # cached blocks whose key was dropped for room
+    offloaded_blocks: int = 0  # blocks copied out to the host tier
+    offloaded_bytes: int = 0
+
+    @property
+    def alloc_total_blocks(self) -> int:
+        return self.alloc_new_blocks + self.reused_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        """reused / (reused + missed), 0.0 when nothing was looked up."""
+        return ratio(self.reused_blocks, self.reused_blocks + self.missed_blocks)
+
+    @property
+    def hit_rate_with_host(self) -> float:
+        """(reused + onboarded) / (reused + onboarded + missed)."""
+        hits = self.reused_blocks + self.onboarded_blocks
+        return ratio(hits, hits + self.missed_blocks)
+
+    def __add__(self, other: BlockDeltas) -> BlockDeltas:
+        return BlockDeltas(*(getattr(self, f) + getattr(other, f) for f in DELTA_FIELDS))
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f) for f in DELTA_FIELDS)
+
+    def is_zero(self) -> bool:
+        return not any(self.as_tuple())
+
+
+DELTA_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlockDeltas))
+GAUGE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlockGauges))
+
+
+def _sum_windows(maps: Iterable[Mapping[Window, object]], zero: object) -> dict[Window, object]:
+    out: dict[Window, object] = {}
+    for m in maps:
+        for w, v in m.items():
+            out[w] = out[w] + v if w in out else v  # type: ignore[operator]
+    return out
+
+
+def sum_gauges(items: Iterable[Mapping[Window, BlockGauges]]) -> dict[Window, BlockGauges]:
+    return _sum_windows(items, BlockGauges())  # type: ignore[return-value]
+
+
+def sum_deltas(items: Iterable[Mapping[Window, BlockDeltas]]) -> dict[Window, BlockDeltas]:
+    return _sum_windows(items, BlockDeltas())  # type: ignore[return-value]
+
+
+def total_of(values: Iterable[BlockGauges]) -> BlockGauges:
+    out = BlockGauges()
+    for v in values:
+        out = out + v
+    return out
+
+
+def total_deltas(values: Iterable[BlockDeltas]) -> BlockDeltas:
+    out = BlockDeltas()
+    for v in values:
+        out = out + v
+    return out
+
+
+def count_statuses(statuses: Iterable[SequenceStatus]) -> dict[SequenceStatus, int]:
+    counts = dict.fromkeys(SequenceStatus, 0)
+    for s in statuses:
+        counts[s] += 1
+    return counts
+
+
+def add_status_counts(
+    a: Mapping[SequenceStatus, int], b: Mapping[SequenceStatus, int]
+) -> dict[SequenceStatus, int]:
+    return {s: a.get(s, 0) + b.get(s, 0) for s in SequenceStatus}
+
+
+def num_valid(counts: Mapping[SequenceStatus, int]) -> int:
+    """Sequences that hold blocks: IN_PREFILL, PREFILLED, IN_DECODE, ON_HOLD."""
+    return sum(counts.get(s, 0) for s in VALID_STATUSES)
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    """A snapshot of one rank's GPU KV cache: per window, and sequences by status."""
+
+    windows: Mapping[Window, BlockGauges]
+    num_sequences_by_status: Mapping[SequenceStatus, int] = field(
+        default_factory=lambda: dict.fromkeys(SequenceStatus, 0)
+    )
+
+    @property
+    def total(self) -> BlockGauges:
+        """Summed over windows (pools are disjoint, so nothing is double counted)."""
+        return total_of(self.windows.values())
+
+    @property
+    def num_valid_sequences(self) -> int:
+        return num_valid(self.num_sequences_by_status)
+
+
+@dataclass(frozen=True, slots=True)
+class IterationStats:
+    """Deltas since the previous commit, per window."""
+
+    windows: Mapping[Window, BlockDeltas]
+
+    @property
+    def total(self) -> BlockDeltas:
+        return total_deltas(self.windows.values())
+
+    @property
+    def hit_rate(self) -> float:
+        return self.total.hit_rate
+
+    @property
+    def hit_rate_with_host(self) -> float:
+        return self.total.hit_rate_with_host
+
+    def __add__(self, other: IterationStats) -> IterationStats:
+        return IterationStats(sum_deltas([self.windows, other.windows]))
+
+
+@dataclass(frozen=True, slots=True)
+class HostStats:
+    """A node's host-memory KV tier. Counted once per node, never once per rank.
+
+    Gauges: total, used (holding KV), evictable (used and droppable now).
+    Counters (cumulative since the tier started): offloaded/onboarded blocks
+    and bytes, dropped_blocks (evicted without ever being onboarded).
+    """
+
+    num_blocks_total: int = 0
+    num_blocks_used: int = 0
+    num_blocks_evictable: int = 0
+    offloaded_blocks: int = 0
+    offloaded_bytes: int = 0
+    onboarded_blocks: int = 0
+    onboarded_bytes: int = 0
+    dropped_blocks: int = 0
+    evicted_blocks: int = 0  # all host evictions, onboarded-before or not
+    refused_blocks: int = 0  # offloads refused (tier off, down, or full of pinned blocks)
+
+    @property
+    def num_blocks_free(self) -> int:
+        return self.num_blocks_total - self.num_blocks_used
+
+    @property
+    def usage(self) -> float:
+        return ratio(self.num_blocks_used, self.num_blocks_total)
+
+    @property
+    def free_percent(self) -> float:
+        return 100.0 * ratio(self.num_blocks_free, self.num_blocks_total)
+
+    def __add__(self, other: HostStats) -> HostStats:
+        return HostStats(*(getattr(self, f) + getattr(other, f) for f in HOST_FIELDS))
+
+
+HOST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HostStats))

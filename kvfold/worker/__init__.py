@@ -1,0 +1,9 @@
+"""One GPU rank: block pool, paged KV cache, KV storage (and, in rank_actor, the Ray shell)."""
+
+from kvfold.stats import SequenceStatus
+from kvfold.worker.block_pool import BlockPool
+from kvfold.worker.cache import HostTier, PagedKVCache
+from kvfold.worker.config import KVCacheConfig
+from kvfold.worker.hashing import block_keys
+
+__all__ = ["BlockPool", "HostTier", "KVCacheConfig", "PagedKVCache", "SequenceStatus", "block_keys"]

@@ -1,0 +1,174 @@
+"""BlockPool: the blocks of one window group, with prefix keys and LRU eviction.
+
+Every block is in exactly one of three states:
+
+    used       ref_count > 0            (held by one or more block tables)
+    cached     ref_count == 0, keyed    (evictable; in `evictable`, LRU first)
+    free       ref_count == 0, no key   (in `free_unkeyed`)
+
+`take(n)` hands out free blocks before cached ones, and cached ones least
+recently released first, dropping their keys. All operations are O(1) per
+block. The pool counts nothing about prompts; `PagedKVCache` does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from kvfold.errors import IntegrityError
+
+EvictListener = Callable[[int, bytes], None]
+"""Called as (block_id, key) just before a cached block's key is dropped."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_counts: list[int] = [0] * num_blocks
+        self.block_keys: list[bytes | None] = [None] * num_blocks
+        self.key_to_block: dict[bytes, int] = {}
+        # pop() from the end: block 0 is handed out first on a fresh pool.
+        self.free_unkeyed: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_used = 0
+        self.evicted_total = 0  # cumulative: cached blocks whose key was dropped
+        self.evict_listener: EvictListener | None = None
+
+    @property
+    def num_free(self) -> int:
+        """Blocks available to `take`: free plus cached."""
+        return len(self.free_unkeyed) + len(self.evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.evictable)
+
+    def lookup(self, key: bytes) -> int | None:
+        return self.key_to_block.get(key)
+
+    def take(self, n: int) -> list[int] | None:
+        """Give out `n` blocks with ref_count 1, or None (nothing changed) if short."""
+        if n > len(self.free_unkeyed) + len(self.evictable):
+            return None
+        if n == 0:
+            return []
+        free = self.free_unkeyed
+        k = min(n, len(free))
+        out = free[-k:]
+        del free[-k:]
+        out.reverse()
+        refs = self.ref_counts
+        for b in out:
+            refs[b] = 1
+        if n > k:
+            popitem = self.evictable.popitem
+            keys = self.block_keys
+            key_to_block = self.key_to_block
+            listener = self.evict_listener
+            for _ in range(n - k):
+                b = popitem(last=False)[0]
+                key = keys[b]
+                if listener is not None:
+                    listener(b, key)  # type: ignore[arg-type]
+                del key_to_block[key]  # type: ignore[arg-type]
+                keys[b] = None
+                refs[b] = 1
+                out.append(b)
+            self.evicted_total += n - k
+        self.num_used += n
+        return out
+
+    def attach(self, block: int) -> None:
+        """Add one reference to a used or cached block (a prefix hit)."""
+        if self.ref_counts[block] == 0:
+            del self.evictable[block]
+            self.num_used += 1
+        self.ref_counts[block] += 1
+
+    def set_key(self, block: int, key: bytes) -> bool:
+        """Key a full block so later prompts can reuse it. False if the key is taken."""
+        if key in self.key_to_block:
+            return False
+        self.key_to_block[key] = block
+        self.block_keys[block] = key
+        return True
+
+    def set_keys(self, blocks: list[int], keys: list[bytes]) -> None:
+        """`set_key` for pairs of blocks and keys; keys already taken are skipped."""
+        key_to_block = self.key_to_block
+        block_keys = self.block_keys
+        for b, key in zip(blocks, keys, strict=False):
+            if key not in key_to_block:
+                key_to_block[key] = b
+                block_keys[b] = key
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block, in the order given.
+
+        A block reaching 0 becomes cached (most recently released) when keyed,
+        else free. Callers pass a sequence's blocks tail first, so a shared
+        prefix outlives its suffixes.
+        """
+        refs = self.ref_counts
+        keys = self.block_keys
+        for b in blocks:
+            r = refs[b] - 1
+            refs[b] = r
+            if r == 0:
+                self.num_used -= 1
+                if keys[b] is None:
+                    self.free_unkeyed.append(b)
+                else:
+                    self.evictable[b] = None
+
+    def drop_key(self, key: bytes) -> bool:
+        """Forget a cached block's key (it becomes free). False if absent or in use."""
+        b = self.key_to_block.get(key)
+        if b is None or self.ref_counts[b] != 0:
+            return False
+        del self.evictable[b]
+        del self.key_to_block[key]
+        self.block_keys[b] = None
+        self.free_unkeyed.append(b)
+        return True
+
+    def check_integrity(self, expected_refs: list[int] | None = None) -> None:
+        """Raise IntegrityError with the numbers when a state breaks."""
+        n = self.num_blocks
+        used = sum(1 for r in self.ref_counts if r > 0)
+        if any(r < 0 for r in self.ref_counts):
+            raise IntegrityError(f"negative ref count: {[r for r in self.ref_counts if r < 0]}")
+        if used != self.num_used:
+            raise IntegrityError(f"num_used {self.num_used} != recount {used}")
+        cached = len(self.evictable)
+        free = len(self.free_unkeyed)
+        if used + cached + free != n:
+            raise IntegrityError(f"used {used} + cached {cached} + free {free} != total {n}")
+        for b in self.free_unkeyed:
+            if self.ref_counts[b] != 0 or self.block_keys[b] is not None:
+                raise IntegrityError(
+                    f"free block {b} has ref {self.ref_counts[b]} key {self.block_keys[b]!r}"
+                )
+        for b in self.evictable:
+            if self.ref_counts[b] != 0 or self.block_keys[b] is None:
+                raise IntegrityError(f"cached block {b} has ref {self.ref_counts[b]} or no key")
+        if len(set(self.free_unkeyed)) != free or set(self.free_unkeyed) & set(self.evictable):
+            raise IntegrityError("a block is listed twice among free and cached blocks")
+        keyed = {b: k for b, k in enumerate(self.block_keys) if k is not None}
+        if len(keyed) != len(self.key_to_block) or any(
+            self.key_to_block.get(k) != b for b, k in keyed.items()
+        ):
+            raise IntegrityError(
+                f"key map has {len(self.key_to_block)} entries, {len(keyed)} blocks are keyed, "
+                "or they disagree"
+            )
+        if expected_refs is not None and expected_refs != self.ref_counts:
+            diff = [
+                (b, r, e)
+                for b, (r, e) in enumerate(zip(self.ref_counts, expected_refs, strict=True))
+                if r != e
+            ]
+            raise IntegrityError(
+                f"ref counts differ from block tables (block, ref, tables): {diff}"
+            )

@@ -1,0 +1,103 @@
+"""KVStorage: the real K/V bytes of one rank, one torch tensor per window pool.
+
+    pool[window]: [num_blocks, layers_in_group, 2 (K, V), tokens_per_block, num_kv_heads, head_dim]
+
+On CUDA when present (device="auto"), else CPU. Owns no block accounting: the
+cache decides which block and offset a token lives in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvfold.stats import Window
+from kvfold.worker.config import KVCacheConfig
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> the current CUDA device when there is one, else CPU."""
+    if device == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for, but CUDA is not available here")
+    return torch.device(device)
+
+
+class KVStorage:
+    def __init__(self, config: KVCacheConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.pools: dict[Window, torch.Tensor] = {}
+        self._layer_slot: dict[int, int] = {}
+        for w in config.windows:
+            layers = config.layers_of(w)
+            for slot, layer in enumerate(layers):
+                self._layer_slot[layer] = slot
+            self.pools[w] = torch.zeros(
+                (
+                    config.num_blocks_of(w),
+                    len(layers),
+                    2,
+                    config.tokens_per_block,
+                    config.num_kv_heads,
+                    config.head_dim,
+                ),
+                dtype=self.dtype,
+                device=self.device,
+            )
+
+    @property
+    def token_shape(self) -> tuple[int, int]:
+        return (self.config.num_kv_heads, self.config.head_dim)
+
+    def write(
+        self,
+        window: Window,
+        layer: int,
+        block_ids: torch.Tensor,
+        offsets: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        pool = self.pools[window]
+        slot = self._layer_slot[layer]
+        pool[block_ids, slot, 0, offsets] = k.to(device=self.device, dtype=self.dtype)
+        pool[block_ids, slot, 1, offsets] = v.to(device=self.device, dtype=self.dtype)
+
+    def gather(
+        self, window: Window, layer: int, block_ids: list[int], start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of token slots [start, stop) of the concatenated blocks."""
+        pool = self.pools[window]
+        slot = self._layer_slot[layer]
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        kv = pool.index_select(0, idx)[:, slot]  # [n, 2, B, H, D]
+        h, d = self.token_shape
+        k = kv[:, 0].reshape(-1, h, d)[start:stop]
+        v = kv[:, 1].reshape(-1, h, d)[start:stop]
+        return k, v
+
+    def block_nbytes(self, window: Window) -> int:
+        pool = self.pools[window]
+        return int(pool[0].numel() * pool.element_size())
+
+    def read_block(self, window: Window, block: int) -> np.ndarray:
+        """One block's K/V of every layer in the group, as raw bytes (uint8, on the host)."""
+        t = self.pools[window][block].contiguous()
+        return t.view(torch.uint8).reshape(-1).cpu().numpy()
+
+    def write_block(self, window: Window, block: int, data: np.ndarray) -> None:
+        """Overwrite one block from raw bytes produced by `read_block` on the same geometry."""
+        pool = self.pools[window]
+        nbytes = self.block_nbytes(window)
+        if data.dtype != np.uint8 or data.size != nbytes:
+            raise ValueError(
+                f"block payload must be {nbytes} uint8 bytes for window {window!r}, "
+                f"got {data.size} {data.dtype}"
+            )
+        src = torch.from_numpy(np.ascontiguousarray(data)).to(self.device)
+        pool[block].view(-1).view(torch.uint8).copy_(src)

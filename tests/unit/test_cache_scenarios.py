@@ -1,0 +1,170 @@
+"""Exact scenarios of one rank's cache (B = 4 tokens per block, 16 blocks, full attention)."""
+
+from __future__ import annotations
+
+from kvfold.stats import SequenceStatus
+from tests.unit.builders import make_cache, toks
+
+
+def test_cold_prompt_then_decode_opens_a_block() -> None:
+    cache = make_cache()
+    assert cache.add_sequence("a", toks(0, 8))
+    d = cache.commit_iteration().total
+    assert (d.alloc_new_blocks, d.missed_blocks, d.reused_blocks) == (2, 2, 0)
+    assert d.alloc_total_blocks == 2  # 2 new + 0 reused
+    assert d.hit_rate == 0.0  # 0 / (0 + 2)
+    assert cache.append_tokens("a", [100])  # token 9 of 9 opens block 2
+    d = cache.commit_iteration().total
+    assert (d.gen_alloc_blocks, d.alloc_new_blocks, d.missed_blocks) == (1, 1, 0)
+    assert cache.stats().total.num_blocks_used == 3
+    cache.check_integrity()
+
+
+def test_add_that_does_not_fit_changes_nothing() -> None:
+    cache = make_cache(num_blocks=4)
+    assert cache.add_sequence("a", toks(0, 8))  # 2 blocks
+    before = (cache.stats(), cache.block_table("a"), list(cache.pools[None].ref_counts))
+    assert not cache.add_sequence("b", toks(50, 12))  # needs 3, 2 free
+    assert not cache.has_sequence("b")
+    assert (cache.stats(), cache.block_table("a"), list(cache.pools[None].ref_counts)) == before
+    d = cache.commit_iteration().total
+    assert (d.alloc_new_blocks, d.missed_blocks) == (2, 2)  # only "a" counted
+    cache.check_integrity()
+
+
+def test_last_token_is_always_computed() -> None:
+    cache = make_cache()
+    assert cache.add_sequence("a", toks(0, 12))  # 3 full blocks, all keyed
+    cache.free_sequence("a")
+    cache.commit_iteration()
+    assert cache.add_sequence("b", toks(0, 12))
+    d = cache.commit_iteration().total
+    assert d.reused_blocks == 2  # floor((12 - 1) / 4) = 2
+    assert d.missed_blocks == 1
+    cache.free_sequence("b")
+    assert cache.add_sequence("c", [*toks(0, 12), 99])
+    d = cache.commit_iteration().total
+    assert d.reused_blocks == 3  # floor((13 - 1) / 4) = 3
+    assert d.missed_blocks == 1  # the partial block of token 12
+    assert d.hit_rate == 0.75  # 3 / (3 + 1)
+    cache.check_integrity()
+
+
+def test_eviction_order_unkeyed_then_lru_shared_head_last() -> None:
+    cache = make_cache(num_blocks=8)
+    # a: [p0 p1 a2 a3]   b: [p0 p1 b2 b3(partial)]   -> 6 distinct blocks, 2 never used
+    assert cache.add_sequence("a", toks(0, 16))
+    assert cache.add_sequence("b", [*toks(0, 8), *toks(500, 6)])
+    p0, p1, a2, a3 = cache.block_table("a")
+    assert cache.block_table("b")[:2] == [p0, p1]
+    b2, b3 = cache.block_table("b")[2:]
+    cache.free_sequence("a")  # releases a3, a2 (tail first); p0, p1 still held by b
+    cache.free_sequence("b")  # releases b3 (unkeyed: free), b2, p1, p0
+    assert list(cache.pools[None].evictable) == [a3, a2, b2, p1, p0]
+    order = cache.pools[None].take(8)
+    assert order is not None
+    unkeyed = order[:3]  # the 2 never-used blocks and b3
+    assert set(unkeyed) == {6, 7, b3}
+    assert order[3:] == [a3, a2, b2, p1, p0]  # least recently released first, head last
+    cache.pools[None].release(order)
+
+
+def test_salts_share_nothing() -> None:
+    cache = make_cache()
+    assert cache.add_sequence("a", toks(0, 12), salt="tenant-1")
+    cache.free_sequence("a")
+    cache.commit_iteration()
+    assert cache.add_sequence("b", toks(0, 12), salt="tenant-2")
+    assert cache.commit_iteration().total.reused_blocks == 0
+    assert cache.add_sequence("c", toks(0, 12), salt="tenant-1")
+    assert cache.commit_iteration().total.reused_blocks == 2
+    cache.check_integrity()
+
+
+def test_sliding_window_reuses_only_inside_and_releases_as_it_grows() -> None:
+    cache = make_cache(windows=(8,), num_layers=1)
+    assert cache.add_sequence("a", toks(0, 16))  # window [8, 16): blocks 2, 3
+    assert cache.first_block_index("a", 8) == 2
+    assert len(cache.block_table("a", 8)) == 2
+    d = cache.commit_iteration().total
+    assert (d.alloc_new_blocks, d.missed_blocks, d.reused_blocks) == (2, 2, 0)  # 0, 1 untouched
+    cache.free_sequence("a")
+    assert cache.add_sequence("b", toks(0, 16))
+    d = cache.commit_iteration().total
+    # reusable: floor(15/4) = 3 -> blocks 0..2; inside the window: block 2 only
+    assert d.reused_blocks == 1
+    assert d.missed_blocks == 1  # block 3 is computed; blocks 0, 1 are neither
+    for t in range(20):
+        assert cache.append_tokens("b", [1000 + t])
+        assert cache.stats().total.num_blocks_used <= 3  # ceil(8/4) + 1
+        cache.check_integrity()
+    # 36 tokens: window [28, 36) -> blocks 7, 8
+    assert cache.first_block_index("b", 8) == 7
+    assert len(cache.block_table("b", 8)) == 2
+
+
+def test_two_windows_count_separately_and_sum() -> None:
+    cache = make_cache(windows=(None, 8))
+    assert cache.add_sequence("a", toks(0, 8))
+    it = cache.commit_iteration()
+    for w in (None, 8):
+        assert (it.windows[w].alloc_new_blocks, it.windows[w].missed_blocks) == (2, 2)
+    assert it.total.alloc_new_blocks == 4  # 2 + 2, not 8 and not 2
+    assert cache.stats().total.num_blocks_total == 32  # 16 + 16
+    cache.check_integrity()
+
+
+def test_statuses_and_preemption() -> None:
+    cache = make_cache()
+    cache.queue_sequence("q")
+    assert cache.add_sequence("a", toks(0, 8))
+    cache.set_status("a", SequenceStatus.IN_DECODE)
+    counts = cache.stats().num_sequences_by_status
+    assert counts[SequenceStatus.QUEUEING] == 1 and counts[SequenceStatus.IN_DECODE] == 1
+    assert cache.stats().num_valid_sequences == 1
+    cache.set_status("a", SequenceStatus.QUEUEING)  # preempted: blocks released
+    assert cache.stats().total.num_blocks_used == 0
+    assert cache.add_sequence("a", toks(0, 8))  # re-admitted
+    assert cache.add_sequence("q", toks(0, 9))  # a queued sequence gets its blocks
+    cache.set_status("q", SequenceStatus.COMPLETED)
+    assert cache.stats().num_sequences_by_status[SequenceStatus.COMPLETED] == 1
+    assert cache.stats().num_valid_sequences == 1
+    cache.check_integrity()
+    cache.free_sequence("a")
+    cache.free_sequence("q")
+    assert cache.stats().total.num_blocks_used == 0
+    cache.check_integrity()
+
+
+def test_reuse_off_keys_nothing() -> None:
+    cache = make_cache(reuse=False)
+    assert cache.add_sequence("a", toks(0, 12))
+    cache.free_sequence("a")
+    cache.commit_iteration()
+    assert cache.add_sequence("b", toks(0, 12))
+    d = cache.commit_iteration().total
+    assert (d.reused_blocks, d.missed_blocks, d.alloc_new_blocks) == (0, 3, 3)
+    assert cache.stats().total.num_blocks_cached == 0
+
+
+def test_decode_blocks_become_reusable() -> None:
+    cache = make_cache()
+    assert cache.add_sequence("a", toks(0, 6))
+    assert cache.append_tokens("a", toks(6, 7))  # 13 tokens: 3 full blocks now keyed
+    cache.free_sequence("a")
+    cache.commit_iteration()
+    assert cache.add_sequence("b", toks(0, 13))
+    assert cache.commit_iteration().total.reused_blocks == 3
+    cache.check_integrity()
+
+
+def test_eviction_counted_when_cached_blocks_are_reclaimed() -> None:
+    cache = make_cache(num_blocks=4)
+    assert cache.add_sequence("a", toks(0, 16))  # 4 keyed blocks
+    cache.free_sequence("a")
+    cache.commit_iteration()
+    assert cache.add_sequence("b", toks(100, 8))  # takes 2 cached blocks
+    d = cache.commit_iteration().total
+    assert d.evicted_blocks == 2
+    assert cache.stats().total.num_blocks_cached == 2
+    cache.check_integrity()
