@@ -127,10 +127,14 @@ class BlockDeltas:
         return ratio(hits, hits + self.missed_blocks)
 
     def __add__(self, other: BlockDeltas) -> BlockDeltas:
-        return BlockDeltas(*(getattr(self, f) + getattr(other, f) for f in DELTA_FIELDS))
+        return BlockDeltas(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
 
     def as_tuple(self) -> tuple[int, ...]:
-        return tuple(getattr(self, f) for f in DELTA_FIELDS)
+        return (
+            self.alloc_new_blocks, self.reused_blocks, self.onboarded_blocks,
+            self.onboarded_bytes, self.missed_blocks, self.gen_alloc_blocks,
+            self.evicted_blocks, self.offloaded_blocks, self.offloaded_bytes,
+        )  # fmt: skip
 
     def is_zero(self) -> bool:
         return not any(self.as_tuple())
@@ -140,34 +144,58 @@ DELTA_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlockDeltas))
 GAUGE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlockGauges))
 
 
-def _sum_windows(maps: Iterable[Mapping[Window, object]], zero: object) -> dict[Window, object]:
-    out: dict[Window, object] = {}
-    for m in maps:
-        for w, v in m.items():
-            out[w] = out[w] + v if w in out else v  # type: ignore[operator]
-    return out
-
-
 def sum_gauges(items: Iterable[Mapping[Window, BlockGauges]]) -> dict[Window, BlockGauges]:
-    return _sum_windows(items, BlockGauges())  # type: ignore[return-value]
+    """Per-window sums. tokens_per_block is kept where every non-empty part agrees, else 0."""
+    acc: dict[Window, list[int]] = {}
+    tpbs: dict[Window, set[int]] = {}
+    for m in items:
+        for w, g in m.items():
+            a = acc.get(w)
+            if a is None:
+                acc[w] = [g.num_blocks_total, g.num_blocks_used, g.num_blocks_cached]
+                tpbs[w] = {g.tokens_per_block}
+            else:
+                a[0] += g.num_blocks_total
+                a[1] += g.num_blocks_used
+                a[2] += g.num_blocks_cached
+                tpbs[w].add(g.tokens_per_block)
+    out = {}
+    for w, a in acc.items():
+        t = tpbs[w] - {0} if len(tpbs[w]) > 1 else tpbs[w]
+        out[w] = BlockGauges(a[0], a[1], a[2], next(iter(t)) if len(t) == 1 else 0)
+    return out
 
 
 def sum_deltas(items: Iterable[Mapping[Window, BlockDeltas]]) -> dict[Window, BlockDeltas]:
-    return _sum_windows(items, BlockDeltas())  # type: ignore[return-value]
+    acc: dict[Window, list[int]] = {}
+    for m in items:
+        for w, d in m.items():
+            a = acc.get(w)
+            if a is None:
+                acc[w] = list(d.as_tuple())
+            else:
+                for i, x in enumerate(d.as_tuple()):
+                    a[i] += x
+    return {w: BlockDeltas(*a) for w, a in acc.items()}
 
 
 def total_of(values: Iterable[BlockGauges]) -> BlockGauges:
-    out = BlockGauges()
-    for v in values:
-        out = out + v
-    return out
+    out = sum_gauges({None: v} for v in values)
+    return out.get(None, BlockGauges())
 
 
 def total_deltas(values: Iterable[BlockDeltas]) -> BlockDeltas:
-    out = BlockDeltas()
-    for v in values:
-        out = out + v
-    return out
+    out = sum_deltas({None: v} for v in values)
+    return out.get(None, BlockDeltas())
+
+
+def sum_hosts(values: Iterable[HostStats | None]) -> HostStats:
+    acc = [0] * len(HOST_FIELDS)
+    for h in values:
+        if h is not None:
+            for i, x in enumerate(h.as_tuple()):
+                acc[i] += x
+    return HostStats(*acc)
 
 
 def count_statuses(statuses: Iterable[SequenceStatus]) -> dict[SequenceStatus, int]:
@@ -181,6 +209,14 @@ def add_status_counts(
     a: Mapping[SequenceStatus, int], b: Mapping[SequenceStatus, int]
 ) -> dict[SequenceStatus, int]:
     return {s: a.get(s, 0) + b.get(s, 0) for s in SequenceStatus}
+
+
+def sum_status_counts(items: Iterable[Mapping[SequenceStatus, int]]) -> dict[SequenceStatus, int]:
+    acc = dict.fromkeys(SequenceStatus, 0)
+    for m in items:
+        for s, n in m.items():
+            acc[s] += n
+    return acc
 
 
 def num_valid(counts: Mapping[SequenceStatus, int]) -> int:
@@ -262,7 +298,37 @@ class HostStats:
         return 100.0 * ratio(self.num_blocks_free, self.num_blocks_total)
 
     def __add__(self, other: HostStats) -> HostStats:
-        return HostStats(*(getattr(self, f) + getattr(other, f) for f in HOST_FIELDS))
+        return HostStats(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return (
+            self.num_blocks_total, self.num_blocks_used, self.num_blocks_evictable,
+            self.offloaded_blocks, self.offloaded_bytes, self.onboarded_blocks,
+            self.onboarded_bytes, self.dropped_blocks, self.evicted_blocks, self.refused_blocks,
+        )  # fmt: skip
 
 
 HOST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HostStats))
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """What one rank sends its node, once per report interval (decoded and validated).
+
+    `gpu` is None while the rank's KV cache is not bound (counted 0 free, 0 total).
+    `deltas` are the counts since the rank's previous report. `added_seq_ids`
+    names the sequences added since the previous report, so that schedulers can
+    release the reservations those sequences now account for.
+    """
+
+    rank: int
+    incarnation: int
+    seq: int
+    gpu: Mapping[Window, BlockGauges] | None
+    deltas: Mapping[Window, BlockDeltas]
+    num_sequences_by_status: Mapping[SequenceStatus, int]
+    added_seq_ids: tuple[str | int, ...] = ()
+
+    @property
+    def gpu_total(self) -> BlockGauges:
+        return total_of(self.gpu.values()) if self.gpu is not None else BlockGauges()

@@ -33,3 +33,32 @@ def make_cache(num_blocks: int | dict[Window, int] = 16, **kw: object) -> PagedK
 
 def toks(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
+
+
+def make_report(
+    rank: int,
+    used: int = 0,
+    total: int = 16,
+    cached: int = 0,
+    window=None,  # type: ignore[no-untyped-def]
+    incarnation: int = 1,
+    seq: int = 1,
+    reused: int = 0,
+    missed: int = 0,
+    statuses: dict | None = None,  # type: ignore[type-arg]
+    unbound: bool = False,
+    added: tuple = (),  # type: ignore[type-arg]
+):  # type: ignore[no-untyped-def]
+    from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus
+
+    counts = dict.fromkeys(SequenceStatus, 0)
+    counts.update(statuses or {})
+    return RankReport(
+        rank=rank,
+        incarnation=incarnation,
+        seq=seq,
+        gpu=None if unbound else {window: BlockGauges(total, used, cached, 4)},
+        deltas={window: BlockDeltas(reused_blocks=reused, missed_blocks=missed)},
+        num_sequences_by_status=counts,
+        added_seq_ids=added,
+    )

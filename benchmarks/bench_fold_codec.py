@@ -1,0 +1,92 @@
+"""Wire codec and folds: encode+decode+validate per report; fold_cluster at scale; view memory."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _report import info, median_time_s, report
+
+from kvfold.aggregator.fold import fold_cluster, fold_node
+from kvfold.codec import decode_rank_report, encode_rank_report
+from kvfold.stats import BlockDeltas, BlockGauges, HostStats, RankReport, SequenceStatus
+from kvfold.topology import Topology
+
+
+def rank_report(rank: int) -> RankReport:
+    return RankReport(
+        rank=rank,
+        incarnation=1_700_000_000_123_456_789,
+        seq=123_456,
+        gpu={None: BlockGauges(40_000, 12_345, 2_000, 16), 4096: BlockGauges(40_000, 999, 50, 16)},
+        deltas={
+            None: BlockDeltas(12, 30, 4, 4 * 262144, 8, 3, 1, 2, 2 * 262144),
+            4096: BlockDeltas(3, 0, 0, 0, 3, 1),
+        },
+        num_sequences_by_status={s: 7 * i for i, s in enumerate(SequenceStatus)},
+        added_seq_ids=("req-000123", "req-000124"),
+    )
+
+
+def node_views(topo: Topology) -> dict[int, object]:
+    host = HostStats(100_000, 5_000, 5_000, 10, 10 * 262144, 5, 5 * 262144, 1, 1, 0)
+    return {
+        n: fold_node(topo, n, {r: rank_report(r) for r in topo.ranks_on(n)}, host, {})
+        for n in range(topo.num_nodes)
+    }
+
+
+def main() -> None:
+    topo = Topology(1024, 8)
+    rep = rank_report(5)
+    data = encode_rank_report(rep)
+    windows = (None, 4096)
+
+    def round_trip() -> RankReport:
+        return decode_rank_report(encode_rank_report(rep), topo, node=0, windows=windows)
+
+    assert round_trip() == rep
+    t = median_time_s(round_trip, repeats=30, number=500)
+    report("encode + decode + validate, one 2-window rank report", t * 1e6, "us", 20.0)
+    report("bytes per rank report", len(data), "B", 512)
+
+    for world, gpn, target_ms in ((1024, 8, 1.0), (8192, 8, 8.0)):
+        topo = Topology(world, gpn)
+        views = node_views(topo)
+        t = median_time_s(lambda: fold_cluster(topo, views, version=1), repeats=30, number=5)
+        report(
+            f"fold_cluster, {world:,} ranks on {topo.num_nodes:,} nodes", t * 1e3, "ms", target_ms
+        )
+        node0 = {r: rank_report(r) for r in topo.ranks_on(0)}
+        tn = median_time_s(lambda: fold_node(topo, 0, node0, None, {}), repeats=30, number=20)
+        info("  (fold_node of one 8-rank node, on its own node actor)", tn * 1e6, "us")
+        info("  (all nodes folded serially + fold_cluster)", (tn * topo.num_nodes + t) * 1e3, "ms")
+
+    topo = Topology(8192, 8)
+    views = node_views(topo)
+    tracemalloc.start()
+    view = fold_cluster(topo, views, version=1)
+    current, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    tracemalloc.start()
+    views2 = node_views(topo)
+    nodes_bytes, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del views2
+    info(
+        "memory of a view of 1,024 nodes: cluster fold on top of node views", current / 2**20, "MiB"
+    )
+    info("memory of the 1,024 node views themselves (8,192 ranks)", nodes_bytes / 2**20, "MiB")
+    info(
+        "pickled size of that ClusterView (what a reader receives)",
+        len(pickle.dumps(view)) / 2**20,
+        "MiB",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Freshness of report sources (ranks at a node actor, nodes at the aggregator).
+
+Time is the receiver's monotonic clock, passed in as `now_s`; a sender's clock
+is never trusted. Each source reports (incarnation, seq):
+
+    same incarnation, seq > last   -> ACCEPTED
+    same incarnation, seq == last  -> DUPLICATE     (dropped, counted)
+    same incarnation, seq <  last  -> OUT_OF_ORDER  (dropped, counted)
+    a retired incarnation          -> RETIRED       (late report of an old life: dropped)
+    any other incarnation          -> NEW_INCARNATION (old state replaced)
+
+A source is STALE when silent for `stale_after_s`, DEAD after `dead_after_s`
+or once told (`mark_dead`), MISSING when never heard from.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from kvfold.view import SourceState
+
+RETIRED_KEPT = 16  # old incarnations remembered per source
+
+
+class Verdict(enum.Enum):
+    ACCEPTED = "accepted"
+    NEW_INCARNATION = "new_incarnation"
+    DUPLICATE = "duplicate"
+    OUT_OF_ORDER = "out_of_order"
+    RETIRED = "retired_incarnation"
+
+    @property
+    def accepted(self) -> bool:
+        return self in (Verdict.ACCEPTED, Verdict.NEW_INCARNATION)
+
+
+@dataclass(slots=True)
+class _Source:
+    incarnation: int
+    last_seq: int
+    last_seen_s: float
+    told_dead: bool = False
+    retired: deque[int] = field(default_factory=lambda: deque(maxlen=RETIRED_KEPT))
+
+
+def _check_positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+class FreshnessTracker:
+    """Per-source incarnation, last sequence number and receive time."""
+
+    def __init__(self, stale_after_s: float, dead_after_s: float) -> None:
+        _check_positive("stale_after_s", stale_after_s)
+        _check_positive("dead_after_s", dead_after_s)
+        if dead_after_s < stale_after_s:
+            raise ValueError(
+                f"dead_after_s ({dead_after_s}) must be >= stale_after_s ({stale_after_s})"
+            )
+        self.stale_after_s = stale_after_s
+        self.dead_after_s = dead_after_s
+        self._sources: dict[Hashable, _Source] = {}
+        self.dropped: Counter[str] = Counter()  # by Verdict value
+        self.num_accepted = 0
+        self.num_restarts = 0
+
+    def check(self, source: Hashable, incarnation: int, seq: int) -> Verdict:
+        """What `observe` would answer, without changing anything."""
+        s = self._sources.get(source)
+        if s is None:
+            return Verdict.NEW_INCARNATION
+        if incarnation != s.incarnation:
+            return Verdict.RETIRED if incarnation in s.retired else Verdict.NEW_INCARNATION
+        if s.told_dead:
+            return Verdict.RETIRED
+        if seq == s.last_seq:
+            return Verdict.DUPLICATE
+        if seq < s.last_seq:
+            return Verdict.OUT_OF_ORDER
+        return Verdict.ACCEPTED
+
+    def observe(self, source: Hashable, incarnation: int, seq: int, now_s: float) -> Verdict:
+        """Record a report received at `now_s`; the verdict says whether to use it."""
+        verdict = self.check(source, incarnation, seq)
+        if not verdict.accepted:
+            self.dropped[verdict.value] += 1
+            return verdict
+        self.num_accepted += 1
+        s = self._sources.get(source)
+        if s is None:
+            self._sources[source] = _Source(incarnation, seq, now_s)
+        elif verdict is Verdict.NEW_INCARNATION:
+            s.retired.append(s.incarnation)
+            s.incarnation, s.last_seq, s.last_seen_s, s.told_dead = incarnation, seq, now_s, False
+            self.num_restarts += 1
+        else:
+            s.last_seq, s.last_seen_s = seq, now_s
+        return verdict
+
+    def mark_dead(self, source: Hashable) -> None:
+        """Ray says the source's actor is dead: DEAD until a new incarnation reports."""
+        s = self._sources.get(source)
+        if s is not None:
+            s.told_dead = True
+
+    def forget(self, source: Hashable) -> None:
+        self._sources.pop(source, None)
+
+    def state(self, source: Hashable, now_s: float) -> SourceState:
+        s = self._sources.get(source)
+        if s is None:
+            return SourceState.MISSING
+        if s.told_dead:
+            return SourceState.DEAD
+        age = now_s - s.last_seen_s
+        if age >= self.dead_after_s:
+            return SourceState.DEAD
+        if age >= self.stale_after_s:
+            return SourceState.STALE
+        return SourceState.FRESH
+
+    def age_s(self, source: Hashable, now_s: float) -> float:
+        s = self._sources.get(source)
+        return 0.0 if s is None else max(0.0, now_s - s.last_seen_s)
+
+    def incarnation(self, source: Hashable) -> int | None:
+        s = self._sources.get(source)
+        return None if s is None else s.incarnation
+
+    def last_seq(self, source: Hashable) -> int | None:
+        s = self._sources.get(source)
+        return None if s is None else s.last_seq
+
+    def next_change_s(self, now_s: float) -> float | None:
+        """Seconds until some source's state changes by time alone (for timers)."""
+        best: float | None = None
+        for s in self._sources.values():
+            if s.told_dead:
+                continue
+            age = now_s - s.last_seen_s
+            for limit in (self.stale_after_s, self.dead_after_s):
+                if age < limit:
+                    wait = limit - age
+                    best = wait if best is None else min(best, wait)
+                    break
+        return best

@@ -1,0 +1,163 @@
+"""HostKVPool: a node's host-memory KV tier, shared by every rank on the node.
+
+Keyed by (window, block key); least recently used first out. Bytes live in one
+torch uint8 tensor of `num_blocks` slots (pinned when CUDA is present, so
+onboarding to a GPU can be asynchronous). A slot holds one block of any window
+whose size is at most `slot_nbytes`.
+
+    put(w, key, bytes)      offload: store, evicting the LRU entry when full
+    lookup(w, keys) -> n    how many leading keys are held (no side effects)
+    get(w, keys) -> [bytes] onboard: copies of the leading held blocks (LRU touched)
+
+`dropped_blocks` counts entries evicted without ever having been onboarded:
+offload work that bought nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvfold.errors import IntegrityError
+from kvfold.stats import HostStats, Window
+
+HostKey = tuple[Window, bytes]
+
+
+@dataclass(slots=True)
+class _Entry:
+    slot: int
+    nbytes: int
+    onboarded: bool = False
+
+
+class HostKVPool:
+    def __init__(self, num_blocks: int, slot_nbytes: int, pin_memory: bool | None = None) -> None:
+        for name, v in (("num_blocks", num_blocks), ("slot_nbytes", slot_nbytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if num_blocks and slot_nbytes < 1:
+            raise ValueError(f"slot_nbytes must be >= 1 for a host tier, got {slot_nbytes}")
+        self.num_blocks = num_blocks
+        self.slot_nbytes = slot_nbytes
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.pinned = bool(pin and num_blocks)
+        self.storage = torch.empty(
+            (num_blocks, slot_nbytes if num_blocks else 0),
+            dtype=torch.uint8,
+            pin_memory=self.pinned,
+        )
+        self._entries: OrderedDict[HostKey, _Entry] = OrderedDict()  # LRU first
+        self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.offloaded_blocks = 0
+        self.offloaded_bytes = 0
+        self.onboarded_blocks = 0
+        self.onboarded_bytes = 0
+        self.dropped_blocks = 0
+        self.evicted_blocks = 0
+        self.refused_blocks = 0
+        self.duplicate_puts = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_blocks > 0
+
+    def __contains__(self, item: HostKey) -> bool:
+        return item in self._entries
+
+    def keys_lru(self) -> list[HostKey]:
+        """Held keys, least recently used first (the eviction order)."""
+        return list(self._entries)
+
+    def put(self, window: Window, key: bytes, payload: np.ndarray) -> bool:
+        """Store one block's bytes. False: tier off, too large (refused) or already held."""
+        if not isinstance(key, bytes):
+            raise TypeError(f"key must be bytes, got {type(key).__name__}")
+        if not isinstance(payload, np.ndarray) or payload.dtype != np.uint8 or payload.ndim != 1:
+            raise TypeError("payload must be a 1-D uint8 numpy array")
+        if not self.enabled or payload.size > self.slot_nbytes:
+            self.refused_blocks += 1
+            return False
+        hk = (window, key)
+        if hk in self._entries:
+            self._entries.move_to_end(hk)
+            self.duplicate_puts += 1
+            return False
+        if not self._free_slots:
+            self._evict_lru()
+        slot = self._free_slots.pop()
+        n = int(payload.size)
+        self.storage[slot, :n].copy_(torch.from_numpy(payload))
+        self._entries[hk] = _Entry(slot, n)
+        self.offloaded_blocks += 1
+        self.offloaded_bytes += n
+        return True
+
+    def _evict_lru(self) -> None:
+        _, entry = self._entries.popitem(last=False)
+        self._free_slots.append(entry.slot)
+        self.evicted_blocks += 1
+        if not entry.onboarded:
+            self.dropped_blocks += 1
+
+    def lookup(self, window: Window, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the tier holds. Changes nothing."""
+        n = 0
+        for k in keys:
+            if (window, k) not in self._entries:
+                break
+            n += 1
+        return n
+
+    def get(self, window: Window, keys: Sequence[bytes]) -> list[np.ndarray]:
+        """Copies of the leading held blocks (stops at the first miss); counts an onboard."""
+        out: list[np.ndarray] = []
+        for k in keys:
+            entry = self._entries.get((window, k))
+            if entry is None:
+                break
+            self._entries.move_to_end((window, k))
+            entry.onboarded = True
+            out.append(self.storage[entry.slot, : entry.nbytes].numpy().copy())
+            self.onboarded_blocks += 1
+            self.onboarded_bytes += entry.nbytes
+        return out
+
+    def clear(self) -> None:
+        """Drop everything (counted as dropped when never onboarded)."""
+        while self._entries:
+            self._evict_lru()
+
+    def stats(self) -> HostStats:
+        used = len(self._entries)
+        return HostStats(
+            num_blocks_total=self.num_blocks,
+            num_blocks_used=used,
+            num_blocks_evictable=used,  # nothing is pinned by an in-flight copy
+            offloaded_blocks=self.offloaded_blocks,
+            offloaded_bytes=self.offloaded_bytes,
+            onboarded_blocks=self.onboarded_blocks,
+            onboarded_bytes=self.onboarded_bytes,
+            dropped_blocks=self.dropped_blocks,
+            evicted_blocks=self.evicted_blocks,
+            refused_blocks=self.refused_blocks,
+        )
+
+    def check_integrity(self) -> None:
+        used = len(self._entries)
+        free = len(self._free_slots)
+        if used + free != self.num_blocks:
+            raise IntegrityError(f"host used {used} + free {free} != total {self.num_blocks}")
+        slots = [e.slot for e in self._entries.values()]
+        if len(set(slots) | set(self._free_slots)) != self.num_blocks:
+            raise IntegrityError("a host slot is both used and free, or used twice")
+        if self.offloaded_blocks - self.evicted_blocks != used:
+            raise IntegrityError(
+                f"offloaded {self.offloaded_blocks} - evicted {self.evicted_blocks} != used {used}"
+            )
+        if self.dropped_blocks > self.evicted_blocks:
+            raise IntegrityError(f"dropped {self.dropped_blocks} > evicted {self.evicted_blocks}")
