@@ -18,11 +18,12 @@ from kvfold.stats import (
     SequenceStatus,
 )
 from kvfold.topology import Topology
-from kvfold.worker import KVCacheConfig, PagedKVCache
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    "KVCacheConfig": "kvfold.worker.config",
+    "PagedKVCache": "kvfold.worker.cache",
     "HostKVPool": "kvfold.aggregator.host_kv",
     "fold_node": "kvfold.aggregator.fold",
     "fold_cluster": "kvfold.aggregator.fold",

@@ -1,8 +1,6 @@
-"""Host tier, node fold, cluster fold, freshness (pure); the node and cluster actors and
-the client (Ray shells, imported on their own)."""
+"""The node and cluster side: host tier, node fold, cluster fold, freshness (pure cores),
+and the node and cluster actors and the client (Ray shells, imported on their own).
 
-from kvfold.aggregator.fold import fold_cluster, fold_node
-from kvfold.aggregator.freshness import FreshnessTracker, Verdict
-from kvfold.aggregator.host_kv import HostKVPool
-
-__all__ = ["FreshnessTracker", "HostKVPool", "Verdict", "fold_cluster", "fold_node"]
+Import submodules directly (`from kvfold.aggregator.fold import fold_node`); this
+package imports nothing so that the aggregator process never loads torch.
+"""

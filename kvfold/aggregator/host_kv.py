@@ -1,8 +1,9 @@
 """HostKVPool: a node's host-memory KV tier, shared by every rank on the node.
 
 Keyed by (window, block key); least recently used first out. Bytes live in one
-torch uint8 tensor of `num_blocks` slots (pinned when CUDA is present, so
-onboarding to a GPU can be asynchronous). A slot holds one block of any window
+uint8 arena of `num_blocks` slots: page-locked (pinned) torch memory when CUDA is
+present, so copies to a GPU can be asynchronous; plain numpy memory otherwise
+(the node actor then never loads torch). A slot holds one block of any window
 whose size is at most `slot_nbytes`.
 
     put(w, key, bytes)      offload: store, evicting the LRU entry when full
@@ -20,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from kvfold.errors import IntegrityError
 from kvfold.stats import HostStats, Window
@@ -35,6 +35,21 @@ class _Entry:
     onboarded: bool = False
 
 
+def _cuda_available() -> bool:
+    """True only when torch is importable and sees CUDA (without importing it otherwise)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import os
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 class HostKVPool:
     def __init__(self, num_blocks: int, slot_nbytes: int, pin_memory: bool | None = None) -> None:
         for name, v in (("num_blocks", num_blocks), ("slot_nbytes", slot_nbytes)):
@@ -44,13 +59,16 @@ class HostKVPool:
             raise ValueError(f"slot_nbytes must be >= 1 for a host tier, got {slot_nbytes}")
         self.num_blocks = num_blocks
         self.slot_nbytes = slot_nbytes
-        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        pin = _cuda_available() if pin_memory is None else pin_memory
         self.pinned = bool(pin and num_blocks)
-        self.storage = torch.empty(
-            (num_blocks, slot_nbytes if num_blocks else 0),
-            dtype=torch.uint8,
-            pin_memory=self.pinned,
-        )
+        shape = (num_blocks, slot_nbytes if num_blocks else 0)
+        self.storage: np.ndarray
+        if self.pinned:
+            import torch
+
+            self.storage = torch.empty(shape, dtype=torch.uint8, pin_memory=True).numpy()
+        else:
+            self.storage = np.empty(shape, dtype=np.uint8)
         self._entries: OrderedDict[HostKey, _Entry] = OrderedDict()  # LRU first
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
         self.offloaded_blocks = 0
@@ -91,7 +109,7 @@ class HostKVPool:
             self._evict_lru()
         slot = self._free_slots.pop()
         n = int(payload.size)
-        self.storage[slot, :n].copy_(torch.from_numpy(payload))
+        self.storage[slot, :n] = payload
         self._entries[hk] = _Entry(slot, n)
         self.offloaded_blocks += 1
         self.offloaded_bytes += n
@@ -122,7 +140,7 @@ class HostKVPool:
                 break
             self._entries.move_to_end((window, k))
             entry.onboarded = True
-            out.append(self.storage[entry.slot, : entry.nbytes].numpy().copy())
+            out.append(self.storage[entry.slot, : entry.nbytes].copy())
             self.onboarded_blocks += 1
             self.onboarded_bytes += entry.nbytes
         return out

@@ -39,7 +39,7 @@ from kvfold.stats import (
 )
 from kvfold.worker.block_pool import BlockPool
 from kvfold.worker.config import KVCacheConfig
-from kvfold.worker.hashing import Hasher, as_token_array, extend_keys, new_hasher
+from kvfold.worker.hashing import Hasher, TokenIds, as_token_array, extend_keys, new_hasher
 from kvfold.worker.storage import KVStorage
 
 SeqId = str | int
@@ -159,7 +159,7 @@ class PagedKVCache:
         self._status_counts[SequenceStatus.QUEUEING] += 1
 
     def add_sequence(
-        self, seq_id: SeqId, token_ids: Sequence[int], salt: str | bytes | None = None
+        self, seq_id: SeqId, token_ids: TokenIds, salt: str | bytes | None = None
     ) -> bool:
         """Allocate a prompt with prefix reuse; status becomes IN_PREFILL.
 
@@ -239,7 +239,7 @@ class PagedKVCache:
             c.onboarded_bytes += int(payload.nbytes)
         return min(len(payloads), stop - start)
 
-    def append_tokens(self, seq_id: SeqId, token_ids: Sequence[int]) -> bool:
+    def append_tokens(self, seq_id: SeqId, token_ids: TokenIds) -> bool:
         """Grow a sequence by decoded tokens. False (nothing changed) when out of room.
 
         Sliding-window pools release the blocks that fall wholly out of the

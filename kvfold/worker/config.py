@@ -124,6 +124,16 @@ class KVCacheConfig:
             * DTYPE_BYTES[self.dtype]
         )
 
+    def block_geometry(self) -> tuple[Any, ...]:
+        """What must match between a rank's blocks and its node's host tier."""
+        return (
+            self.tokens_per_block,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            tuple((w, self.bytes_per_block(w)) for w in self.windows),
+        )
+
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes_per_block(w) * self._blocks[w] for w in self.windows)

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 Hasher = Any  # hashlib's sha256 object (no public type)
+TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
 def as_token_array(token_ids: object, name: str = "token_ids") -> npt.NDArray[np.int64]:

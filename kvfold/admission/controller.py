@@ -1,0 +1,96 @@
+"""AdmissionController: what a scheduler embeds. Thread-safe; views from any source.
+
+    controller = AdmissionController(client)          # anything with .view(), or a callable
+    decision = controller.decide(AdmissionRequest("r1", prompt_tokens=900, max_new_tokens=128))
+    ... when the request finishes: controller.release("r1")
+
+Views are refreshed at most every `refresh_interval_s` (a decision never waits
+on the network otherwise). A view source that fails makes decisions QUEUE with
+reason `no_fresh_view`. Decisions are counted by outcome and reason.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from kvfold.admission.policy import (
+    AdmissionPolicy,
+    AdmissionRequest,
+    Decision,
+    Outcome,
+    Policy,
+)
+from kvfold.errors import KVFoldError
+from kvfold.view import ClusterView
+
+
+class AdmissionController:
+    def __init__(
+        self,
+        view_source: Any,
+        policy: Policy = Policy.GUARANTEED_NO_EVICT,
+        watermark: int = 0,
+        stale_policy: str = "queue",
+        reservation_ttl_s: float = 30.0,
+        refresh_interval_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if callable(view_source):
+            self._fetch: Callable[[], ClusterView] = view_source
+        elif hasattr(view_source, "view"):
+            self._fetch = view_source.view
+        else:
+            raise TypeError(
+                f"view_source must have .view() or be callable, got {type(view_source).__name__}"
+            )
+        if stale_policy not in ("queue", "reject"):
+            raise ValueError(f"stale_policy must be 'queue' or 'reject', got {stale_policy!r}")
+        no_fresh = Outcome.QUEUE if stale_policy == "queue" else Outcome.REJECT
+        self.policy = AdmissionPolicy(policy, watermark, reservation_ttl_s, no_fresh)
+        self.refresh_interval_s = refresh_interval_s
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.decisions: Counter[tuple[str, str]] = Counter()
+        self._last_refresh_s = float("-inf")
+        self._view_error: str | None = None
+
+    def refresh(self, force: bool = False) -> None:
+        """Fetch a view now (or if the last one is older than refresh_interval_s)."""
+        now = self.clock()
+        if not force and now - self._last_refresh_s < self.refresh_interval_s:
+            return
+        self._last_refresh_s = now
+        try:
+            view = self._fetch()
+        except KVFoldError as e:
+            self._view_error = str(e)
+            return
+        self._view_error = None
+        self.load_view(view)
+
+    def load_view(self, view: ClusterView) -> None:
+        with self.lock:
+            self.policy.load_view(view, self.clock())
+
+    def decide(self, request: AdmissionRequest) -> Decision:
+        self.refresh()
+        with self.lock:
+            if self._view_error is not None:
+                version = self.policy.index.version if self.policy.index else 0
+                d = Decision(Outcome.QUEUE, "no_fresh_view", version)
+            else:
+                d = self.policy.decide(request, self.clock())
+            self.decisions[(d.outcome.value, d.reason)] += 1
+        return d
+
+    def release(self, request_id: str) -> bool:
+        with self.lock:
+            return self.policy.release(request_id)
+
+    def num_reserved(self) -> int:
+        with self.lock:
+            return len(self.policy.reservations)

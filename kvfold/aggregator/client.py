@@ -1,0 +1,94 @@
+"""KVFoldClient: find the cluster aggregator by name from any driver and read views.
+
+Every Ray failure is translated into kvfold's own errors: a missing, dead or
+restarting aggregator raises AggregatorUnavailable (never a hang: every call
+has a timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from kvfold.errors import AggregatorUnavailable
+from kvfold.naming import AGGREGATOR_NAME, DEFAULT_NAMESPACE
+from kvfold.view import ClusterView, RankSummary, SourceState
+
+
+def connect(address: str | None = None, namespace: str = DEFAULT_NAMESPACE) -> None:
+    """Join a running Ray cluster as a driver (no-op if this process already has)."""
+    if ray.is_initialized():
+        return
+    addr = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(address=addr, namespace=namespace, log_to_driver=False)
+    except ConnectionError as e:
+        raise AggregatorUnavailable(
+            f"no Ray cluster at {addr!r}: {e}. Start one with `kvfold demo` or `kvfold up`, "
+            "or pass --address HOST:PORT"
+        ) from e
+
+
+class KVFoldClient:
+    def __init__(
+        self,
+        address: str | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        timeout_s: float = 5.0,
+    ) -> None:
+        connect(address, namespace)
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self._handle: Any = None
+
+    def _aggregator(self) -> Any:
+        if self._handle is None:
+            try:
+                self._handle = ray.get_actor(AGGREGATOR_NAME, namespace=self.namespace)
+            except ValueError as e:
+                raise AggregatorUnavailable(
+                    f"no kvfold aggregator in namespace {self.namespace!r}; "
+                    "start one with `kvfold up` (or `kvfold demo`)"
+                ) from e
+        return self._handle
+
+    def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            ref = getattr(self._aggregator(), method).remote(*args)
+            return ray.get(ref, timeout=timeout)
+        except RayActorError as e:
+            self._handle = None  # re-resolve next time: it may come back under the same name
+            raise AggregatorUnavailable(f"the kvfold aggregator is down or restarting: {e}") from e
+        except GetTimeoutError as e:
+            raise AggregatorUnavailable(
+                f"the kvfold aggregator did not answer {method} within {timeout} s"
+            ) from e
+
+    def view(self) -> ClusterView:
+        view: ClusterView = pickle.loads(self._call("view"))
+        return view
+
+    def version(self) -> int:
+        version: int = self._call("version")
+        return version
+
+    def wait_for_version(self, version: int, timeout_s: float = 5.0) -> ClusterView | None:
+        """The first view newer than `version`, or None when none came within `timeout_s`."""
+        data = self._call("wait_for_version", version, timeout_s, timeout_s=timeout_s + 5.0)
+        if data is None:
+            return None
+        view: ClusterView = pickle.loads(data)
+        return view
+
+    def rank(self, rank: int) -> tuple[RankSummary, SourceState] | None:
+        """A rank's last summary and its node's state (drill-down), from the current view."""
+        return self.view().rank_summary(rank)
+
+    def counts(self) -> dict[str, Any]:
+        counts: dict[str, Any] = self._call("counts")
+        return counts

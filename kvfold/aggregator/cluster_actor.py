@@ -1,0 +1,131 @@
+"""ClusterAggregator: one named actor. The Ray shell over ClusterState.
+
+Node actors push node reports; readers call `view()` or `wait_for_version()`.
+A view is pickled once per version and handed out as bytes, so a query costs
+one actor call and no work when nothing changed. A ticker notices freshness
+changes (a node going stale) even when no report arrives.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from kvfold.aggregator.cluster_state import ACCEPTED, ClusterState
+from kvfold.naming import node_actor_name
+from kvfold.stats import Window
+from kvfold.topology import Topology
+from kvfold.view import ClusterView, SourceState
+
+
+class ClusterAggregator:
+    def __init__(
+        self,
+        rank_to_node: list[int],
+        windows: list[Window] | None,
+        *,
+        namespace: str,
+        report_interval_s: float,
+        stale_after_s: float,
+        dead_after_s: float,
+    ) -> None:
+        self.topology = Topology.from_mapping(rank_to_node)
+        self.namespace = namespace
+        self.report_interval_s = report_interval_s
+        self.state = ClusterState(
+            self.topology,
+            windows,
+            stale_after_s,
+            dead_after_s,
+            version_base=time.time_ns() // 1000,  # keeps growing across restarts
+        )
+        self.cond = threading.Condition()
+        self._bytes_version = -1
+        self._bytes = b""
+        self._stop = threading.Event()
+        self._last_probe_s = 0.0
+        threading.Thread(target=self._tick_loop, daemon=True).start()
+
+    def ping(self) -> int:
+        return self.state.version
+
+    def topology_list(self) -> list[int]:
+        return self.topology.as_list()
+
+    def node_report(self, data: bytes) -> str:
+        with self.cond:
+            verdict = self.state.receive(data, time.monotonic())
+            if verdict == ACCEPTED:
+                self._refresh()
+        return verdict
+
+    def _refresh(self) -> ClusterView:
+        """Rebuild the view if anything changed; wake waiters on a new version. Holds cond."""
+        before = self.state.version
+        view = self.state.view(time.monotonic(), time.time())
+        if view.version != before:
+            self.cond.notify_all()
+        return view
+
+    def _view_bytes(self) -> bytes:
+        view = self._refresh()
+        if view.version != self._bytes_version:
+            self._bytes = pickle.dumps(view, protocol=pickle.HIGHEST_PROTOCOL)
+            self._bytes_version = view.version
+        return self._bytes
+
+    def view(self) -> bytes:
+        """The current ClusterView, pickled (our own frozen type, built here)."""
+        with self.cond:
+            return self._view_bytes()
+
+    def version(self) -> int:
+        with self.cond:
+            return self._refresh().version
+
+    def wait_for_version(self, version: int, timeout_s: float) -> bytes | None:
+        """The first view newer than `version`, or None after `timeout_s`."""
+        deadline = time.monotonic() + max(0.0, float(timeout_s))
+        with self.cond:
+            while self._refresh().version <= version:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.cond.wait(min(left, self.report_interval_s))
+            return self._view_bytes()
+
+    def counts(self) -> dict[str, Any]:
+        with self.cond:
+            return {
+                "accepted": self.state.num_accepted,
+                "refused": dict(self.state.refused),
+                "version": self.state.version,
+            }
+
+    def _probe_silent_nodes(self, view: ClusterView) -> None:
+        now = time.monotonic()
+        if now - self._last_probe_s < self.report_interval_s * 5:
+            return
+        self._last_probe_s = now
+        for node, state in enumerate(view.node_states):
+            if state not in (SourceState.STALE, SourceState.MISSING):
+                continue
+            try:
+                handle = ray.get_actor(node_actor_name(node), namespace=self.namespace)
+                ray.get(handle.ping.remote(), timeout=self.report_interval_s)
+            except (ValueError, RayActorError):
+                with self.cond:
+                    self.state.mark_dead(node)
+            except GetTimeoutError:
+                pass
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(self.report_interval_s / 2):
+            with self.cond:
+                view = self._refresh()
+            self._probe_silent_nodes(view)

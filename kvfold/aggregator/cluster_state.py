@@ -1,0 +1,94 @@
+"""ClusterState: what the cluster aggregator knows about the nodes. Pure; no Ray.
+
+    receive(bytes, now_s) -> "accepted" | a refusal reason
+    view(now_s) -> ClusterView        (rebuilt, with a new version, only when something changed)
+
+The version grows with every accepted node report and every change of a
+node's freshness. It starts from `version_base` (the aggregator passes the
+wall clock in microseconds at start), so it keeps growing across restarts.
+When a node actor restarts (new incarnation), the counters of its previous
+life are kept in a base, so the cluster's counters never go backwards.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection
+
+from kvfold.aggregator.fold import fold_cluster
+from kvfold.aggregator.freshness import FreshnessTracker, Verdict
+from kvfold.codec import decode_node_report
+from kvfold.errors import ReportError
+from kvfold.stats import IterationStats, Window, sum_deltas
+from kvfold.topology import Topology
+from kvfold.view import ClusterView, NodeUtilization, SourceState
+
+ACCEPTED = "accepted"
+
+
+class ClusterState:
+    def __init__(
+        self,
+        topology: Topology,
+        windows: Collection[Window] | None,
+        stale_after_s: float,
+        dead_after_s: float,
+        version_base: int = 0,
+    ) -> None:
+        self.topology = topology
+        self.windows = None if windows is None else frozenset(windows)
+        self.freshness = FreshnessTracker(stale_after_s, dead_after_s)
+        self.nodes: dict[int, NodeUtilization] = {}
+        self.counters_base: dict[int, IterationStats] = {}
+        self.refused: Counter[str] = Counter()
+        self.num_accepted = 0
+        self.version = version_base
+        self._changed = True
+        self._states: tuple[SourceState, ...] = ()
+        self._view: ClusterView | None = None
+
+    def receive(self, data: bytes, now_s: float) -> str:
+        try:
+            report = decode_node_report(data, self.topology, self.windows)
+        except ReportError as e:
+            self.refused[e.reason] += 1
+            return e.reason
+        verdict = self.freshness.observe(report.node, report.incarnation, report.seq, now_s)
+        if not verdict.accepted:
+            self.refused[verdict.value] += 1
+            return verdict.value
+        old = self.nodes.get(report.node)
+        if verdict is Verdict.NEW_INCARNATION and old is not None:
+            base = self.counters_base.get(report.node)
+            maps = [old.counters.windows] + ([base.windows] if base else [])
+            self.counters_base[report.node] = IterationStats(sum_deltas(maps))
+        self.nodes[report.node] = report.util
+        self.num_accepted += 1
+        self._changed = True
+        return ACCEPTED
+
+    def mark_dead(self, node: int) -> None:
+        self.freshness.mark_dead(node)
+
+    def node_states(self, now_s: float) -> tuple[SourceState, ...]:
+        return tuple(self.freshness.state(n, now_s) for n in range(self.topology.num_nodes))
+
+    def view(self, now_s: float, unix_s: float = 0.0) -> ClusterView:
+        """The current view; a new version only when a report or a freshness state changed."""
+        states = self.node_states(now_s)
+        if self._view is not None and not self._changed and states == self._states:
+            return self._view
+        self.version += 1
+        self._changed = False
+        self._states = states
+        self._view = fold_cluster(
+            self.topology,
+            self.nodes,
+            dict(enumerate(states)),
+            version=self.version,
+            built_at_s=now_s,
+            built_at_unix_s=unix_s,
+            node_ages_s={n: self.freshness.age_s(n, now_s) for n in range(self.topology.num_nodes)},
+            counters_base=self.counters_base,
+        )
+        return self._view

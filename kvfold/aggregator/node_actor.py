@@ -1,0 +1,181 @@
+"""HostKVActor: one per node, pinned to it. The Ray shell over NodeState and HostKVPool.
+
+Takes rank reports (msgpack bytes), keeps per-rank freshness, folds the node,
+owns the node's host KV tier, and pushes the node's report to the cluster
+aggregator every `report_interval_s` and soon after a rank report arrives.
+Pushes go out from one thread, so answering ranks never waits on the aggregator.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Collection
+from typing import Any
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+from kvfold.aggregator.host_kv import HostKVPool
+from kvfold.aggregator.node_state import ACCEPTED, NodeState
+from kvfold.codec import encode_node_report
+from kvfold.naming import AGGREGATOR_NAME, rank_actor_name
+from kvfold.stats import HostStats, Window
+from kvfold.topology import Topology
+from kvfold.view import NodeUtilization, SourceState
+
+ACK_TIMEOUT_S = 2.0
+MIN_PUSH_GAP_S = 0.005  # coalesce bursts of rank reports into one node report
+
+
+class HostKVActor:
+    def __init__(
+        self,
+        node: int,
+        rank_to_node: list[int],
+        windows: Collection[Window] | None,
+        *,
+        namespace: str,
+        report_interval_s: float,
+        stale_after_s: float,
+        dead_after_s: float,
+        host_num_blocks: int = 0,
+        host_slot_nbytes: int = 0,
+        geometry: tuple[Any, ...] = (),
+    ) -> None:
+        self.topology = Topology.from_mapping(rank_to_node)
+        self.node = node
+        self.namespace = namespace
+        self.report_interval_s = report_interval_s
+        self.state = NodeState(self.topology, node, windows, stale_after_s, dead_after_s)
+        self.host = HostKVPool(host_num_blocks, host_slot_nbytes if host_num_blocks else 0)
+        self.geometry = tuple(geometry)
+        self.host_refused_geometry = 0
+        self.incarnation = secrets.randbits(62) | 1
+        self.seq = 0
+        self.lock = threading.Lock()
+        self.pushes_failed = 0
+        self._aggregator: Any = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._last_probe_s = 0.0
+        threading.Thread(target=self._push_loop, daemon=True).start()
+
+    # ------------------------------------------------------------ from ranks
+
+    def report(self, data: bytes) -> str:
+        with self.lock:
+            verdict = self.state.receive(data, time.monotonic())
+        if verdict == ACCEPTED:
+            self._wake.set()
+        return verdict
+
+    def _check_geometry(self, geometry: Any) -> bool:
+        if self.geometry and tuple(geometry) != self.geometry:
+            self.host_refused_geometry += 1
+            return False
+        return True
+
+    def host_put(self, geometry: Any, window: Window, key: bytes, payload: np.ndarray) -> bool:
+        """Offload one block. Refused (counted) when the rank's block layout is not the node's."""
+        if not self._check_geometry(geometry):
+            return False
+        with self.lock:
+            return self.host.put(window, key, payload)
+
+    def host_get(self, geometry: Any, window: Window, keys: list[bytes]) -> list[np.ndarray]:
+        """Onboard: the bytes of the leading keys the tier holds."""
+        if not self._check_geometry(geometry):
+            raise ValueError(
+                f"node {self.node}: block layout {tuple(geometry)!r} does not match the host "
+                f"tier's {self.geometry!r}; refusing to onboard"
+            )
+        with self.lock:
+            return self.host.get(window, keys)
+
+    def host_lookup(self, window: Window, keys: list[bytes]) -> int:
+        with self.lock:
+            return self.host.lookup(window, keys)
+
+    # ------------------------------------------------------------ queries
+
+    def ping(self) -> int:
+        return self.incarnation
+
+    def view(self) -> NodeUtilization:
+        with self.lock:
+            return self.state.fold(time.monotonic(), self._host_stats())
+
+    def counts(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "accepted": self.state.num_accepted,
+                "refused": dict(self.state.refused),
+                "pushes": self.seq,
+                "pushes_failed": self.pushes_failed,
+                "host_refused_geometry": self.host_refused_geometry,
+                "ray_node_id": ray.get_runtime_context().get_node_id(),
+            }
+
+    def _host_stats(self) -> HostStats | None:
+        return self.host.stats() if self.host.enabled else None
+
+    # ------------------------------------------------------------ to the aggregator
+
+    def _aggregator_handle(self) -> Any:
+        if self._aggregator is None:
+            try:
+                self._aggregator = ray.get_actor(AGGREGATOR_NAME, namespace=self.namespace)
+            except ValueError:
+                return None
+        return self._aggregator
+
+    def _push(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            util = self.state.fold(now, self._host_stats())
+            self.seq += 1
+            data = encode_node_report(util, self.incarnation, self.seq)
+        agg = self._aggregator_handle()
+        if agg is None:
+            self.pushes_failed += 1
+            return
+        try:
+            ray.get(agg.node_report.remote(data), timeout=ACK_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError):
+            self.pushes_failed += 1
+        self._probe_silent_ranks(util, now)
+
+    def _probe_silent_ranks(self, util: NodeUtilization, now: float) -> None:
+        """Ask Ray about ranks that went silent: a dead actor is marked dead at once."""
+        if now - self._last_probe_s < self.report_interval_s * 5:
+            return
+        self._last_probe_s = now
+        for r in util.ranks:
+            if r.state not in (SourceState.STALE, SourceState.MISSING):
+                continue
+            try:
+                handle = ray.get_actor(rank_actor_name(r.rank), namespace=self.namespace)
+                ray.get(handle.ping.remote(), timeout=self.report_interval_s)
+            except (ValueError, RayActorError):
+                with self.lock:
+                    self.state.mark_dead(r.rank)
+            except GetTimeoutError:
+                pass  # busy or restarting: freshness decides
+
+    def _push_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.report_interval_s)
+            self._wake.clear()
+            try:
+                self._push()
+            except (RayError, ValueError, RuntimeError, OSError) as e:
+                self.pushes_failed += 1
+                print(f"kvfold node {self.node}: push failed: {type(e).__name__}: {e}")
+            time.sleep(MIN_PUSH_GAP_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()

@@ -1,0 +1,81 @@
+"""NodeState: what a node's host-KV actor knows about its ranks. Pure; no Ray.
+
+    receive(bytes, now_s) -> "accepted" | a refusal reason   (decode, validate, dedupe)
+    fold(now_s, host) -> NodeUtilization                    (fresh ranks only)
+
+Refusals are counted by reason and change nothing. Each rank's counters are the
+sum of every delta accepted from it, across its incarnations, so they never go
+backwards when a rank restarts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection
+
+from kvfold.aggregator.fold import fold_node
+from kvfold.aggregator.freshness import FreshnessTracker
+from kvfold.codec import decode_rank_report
+from kvfold.errors import ReportError
+from kvfold.stats import HostStats, IterationStats, RankReport, Window, sum_deltas
+from kvfold.topology import Topology
+from kvfold.view import NodeUtilization, SourceState
+
+ACCEPTED = "accepted"
+
+
+class NodeState:
+    def __init__(
+        self,
+        topology: Topology,
+        node: int,
+        windows: Collection[Window] | None,
+        stale_after_s: float,
+        dead_after_s: float,
+    ) -> None:
+        topology.check_node(node)
+        self.topology = topology
+        self.node = node
+        self.windows = None if windows is None else frozenset(windows)
+        self.freshness = FreshnessTracker(stale_after_s, dead_after_s)
+        self.latest: dict[int, RankReport] = {}
+        self.counters: dict[int, IterationStats] = {}
+        self.refused: Counter[str] = Counter()
+        self.num_accepted = 0
+
+    def receive(self, data: bytes, now_s: float) -> str:
+        """Take one rank report. Returns "accepted" or why it was dropped."""
+        try:
+            report = decode_rank_report(data, self.topology, self.node, self.windows)
+        except ReportError as e:
+            self.refused[e.reason] += 1
+            return e.reason
+        verdict = self.freshness.observe(report.rank, report.incarnation, report.seq, now_s)
+        if not verdict.accepted:
+            self.refused[verdict.value] += 1
+            return verdict.value
+        self.latest[report.rank] = report
+        old = self.counters.get(report.rank)
+        self.counters[report.rank] = IterationStats(
+            sum_deltas([old.windows, report.deltas]) if old else dict(report.deltas)
+        )
+        self.num_accepted += 1
+        return ACCEPTED
+
+    def mark_dead(self, rank: int) -> None:
+        self.freshness.mark_dead(rank)
+
+    def rank_states(self, now_s: float) -> dict[int, SourceState]:
+        return {r: self.freshness.state(r, now_s) for r in self.topology.ranks_on(self.node)}
+
+    def fold(self, now_s: float, host: HostStats | None) -> NodeUtilization:
+        ranks = self.topology.ranks_on(self.node)
+        return fold_node(
+            self.topology,
+            self.node,
+            self.latest,
+            host,
+            self.rank_states(now_s),
+            counters=self.counters,
+            ages_s={r: self.freshness.age_s(r, now_s) for r in ranks},
+        )

@@ -1,0 +1,317 @@
+"""`kvfold ...`: demo, up, status, top, down, replay.
+
+kvfold demo                      embedded cluster (3 nodes x 4 GPUs, world 10), a workload
+                                 through admission, a live table, a summary, CSV and PNG
+kvfold up --address HOST:PORT    start kvfold on a running Ray cluster (detached)
+kvfold status [--json]           one view, from any terminal
+kvfold top                       the view, live
+kvfold down                      stop kvfold's actors
+kvfold replay TRACE              replay a Mooncake .jsonl or Azure .csv trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvfold.naming import DEFAULT_NAMESPACE
+
+
+def _ray_env(address: str | None = None) -> None:
+    from kvfold.ray_env import apply_local_defaults
+
+    apply_local_defaults(address)
+
+
+def _cache_config(args: argparse.Namespace) -> Any:
+    from kvfold.worker.config import KVCacheConfig
+
+    windows: tuple[int | None, ...] = tuple(
+        None if w in ("full", "none") else int(w) for w in args.windows.split(",")
+    )
+    return KVCacheConfig(
+        tokens_per_block=args.tokens_per_block,
+        num_blocks=args.num_blocks,
+        windows=windows,
+        num_layers=args.num_layers,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype="float16",
+        device="auto",
+    )
+
+
+def _add_cluster_args(p: argparse.ArgumentParser, blocks: int, tpb: int, windows: str) -> None:
+    p.add_argument("--nodes", type=int, default=3, help="simulated nodes (embedded cluster)")
+    p.add_argument("--gpus-per-node", type=int, default=4)
+    p.add_argument("--world-size", type=int, default=10)
+    p.add_argument("--tokens-per-block", type=int, default=tpb)
+    p.add_argument("--num-blocks", type=int, default=blocks, help="GPU blocks per window per rank")
+    p.add_argument("--windows", default=windows, help="comma list: full and/or window sizes")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument(
+        "--host-blocks", type=int, default=1024, help="host-tier blocks per node (0: off)"
+    )
+
+
+def _connect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray address HOST:PORT")
+    p.add_argument("--namespace", default=DEFAULT_NAMESPACE)
+
+
+class LiveTable:
+    """Redraws in place on a terminal; prints a plain progress line otherwise."""
+
+    def __init__(self, stream: Any = sys.stdout, every_s: float = 3.0) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.every_s = every_s
+        self._last = float("-inf")
+        self._lines = 0
+
+    def show(self, text: str, progress: str) -> None:
+        if self.tty:
+            if self._lines:
+                self.stream.write(f"\x1b[{self._lines}F\x1b[J")
+            out = f"{text}\n{progress}\n"
+            self.stream.write(out)
+            self._lines = out.count("\n")
+        else:
+            now = time.monotonic()
+            if now - self._last < self.every_s:
+                return
+            self._last = now
+            self.stream.write(progress + "\n")
+        self.stream.flush()
+
+
+def _progress_hook(table: LiveTable, total_wall_s: float | None):  # type: ignore[no-untyped-def]
+    from kvfold.display import render_table
+
+    def hook(view: Any, rec: Any, wall: float) -> None:
+        t = view.gpu_total
+        progress = (
+            f"[{wall:6.1f}s] admitted {rec.admitted}/{rec.num_requests}, "
+            f"completed {rec.completed}, "
+            f"rejected {rec.rejected}, queued {rec.samples[-1].queued if rec.samples else 0}, "
+            f"gpu {100 * t.usage:.1f}% used, host {view.host.num_blocks_used}/"
+            f"{view.host.num_blocks_total}, over-commits {rec.overcommits}"
+        )
+        table.show(render_table(view), progress)
+
+    return hook
+
+
+def _write_outputs(rec: Any, out_dir: str, stem: str) -> tuple[Path, Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, png_path, json_path = out / f"{stem}.csv", out / f"{stem}.png", out / f"{stem}.json"
+    rec.write_csv(csv_path)
+    rec.write_png(png_path, title=f"kvfold {stem}: node utilization")
+    json_path.write_text(json.dumps(rec.summary(), indent=2, default=str))
+    return csv_path, png_path, json_path
+
+
+def _run_embedded(args: argparse.Namespace, workload: Any, stem: str, replay_cfg: Any) -> int:
+    _ray_env()
+    from kvfold.cluster import launch, start_local_cluster
+    from kvfold.cluster.replay import replay
+
+    cache = _cache_config(args)
+    print(f"kvfold: starting an embedded Ray cluster: {args.nodes} nodes x {args.gpus_per_node} "
+          f"simulated GPUs ...", flush=True)  # fmt: skip
+    t0 = time.monotonic()
+    cluster = start_local_cluster(args.nodes, args.gpus_per_node, namespace=DEFAULT_NAMESPACE)
+    try:
+        print(f"kvfold: launching world size {args.world_size} (rank actors, node actors, "
+              f"aggregator) ...", flush=True)  # fmt: skip
+        kv = launch(
+            args.world_size, args.gpus_per_node, cache=cache, host_num_blocks=args.host_blocks
+        )
+        view = kv.view()
+        print(f"kvfold: up in {time.monotonic() - t0:.1f} s: {view.num_nodes} nodes expecting "
+              f"{[n.num_ranks_expected for n in view.nodes if n]} ranks. From another terminal: "
+              f"kvfold status --address {cluster.address} --namespace {DEFAULT_NAMESPACE}",
+              flush=True)  # fmt: skip
+        print(f"kvfold: replaying {len(workload)} requests ...", flush=True)
+        table = LiveTable()
+        rec = replay(kv, workload, replay_cfg, on_sample=_progress_hook(table, None))
+        from kvfold.display import render_table
+
+        print(render_table(kv.view(), title="\nfinal view"))
+        print("\nsummary\n" + rec.format_summary())
+        csv_path, png_path, json_path = _write_outputs(rec, args.out, stem)
+        print(f"\nwrote {csv_path}, {png_path} and {json_path}")
+        kv.shutdown()
+        return 0 if rec.overcommits == 0 else 1
+    finally:
+        cluster.shutdown()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvfold.cluster.replay import ReplayConfig
+    from kvfold.workload.requests import shared_prefix_workload
+
+    workload = shared_prefix_workload(
+        num_requests=args.requests, duration_s=args.duration, seed=args.seed
+    )
+    cfg = ReplayConfig(time_scale=1.0, decode_tokens_per_s=args.decode_rate)
+    return _run_embedded(args, workload, "demo", cfg)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from kvfold.admission import Policy
+    from kvfold.cluster.replay import ReplayConfig
+    from kvfold.workload.traces import load_trace
+
+    try:
+        workload = load_trace(args.trace, limit=args.limit)
+    except ValueError as e:
+        print(f"kvfold replay: {e}", file=sys.stderr)
+        return 2
+    cfg = ReplayConfig(
+        time_scale=args.time_scale,
+        decode_tokens_per_s=args.decode_rate,
+        policy=Policy[args.policy.upper()],
+    )
+    return _run_embedded(args, workload, f"replay-{Path(args.trace).stem}", cfg)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    _ray_env(args.address)
+    from kvfold.aggregator.client import KVFoldClient
+
+    return KVFoldClient(address=args.address, namespace=args.namespace)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from kvfold.display import render_table, view_to_dict
+    from kvfold.errors import AggregatorUnavailable
+
+    try:
+        view = _client(args).view()
+    except AggregatorUnavailable as e:
+        print(f"kvfold status: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(view_to_dict(view), indent=2))
+    else:
+        print(render_table(view))
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from kvfold.display import render_table
+    from kvfold.errors import AggregatorUnavailable
+
+    table = LiveTable(every_s=0.0)
+    try:
+        client = _client(args)
+        view = client.view()
+        n = 0
+        while args.iterations is None or n < args.iterations:
+            table.show(render_table(view), f"v{view.version}  (Ctrl-C to quit)")
+            n += 1
+            view = client.wait_for_version(view.version, timeout_s=args.interval) or client.view()
+            time.sleep(args.interval)
+    except AggregatorUnavailable as e:
+        print(f"kvfold top: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    _ray_env(args.address)
+    import ray
+
+    from kvfold.cluster import launch
+    from kvfold.display import render_table
+    from kvfold.errors import KVFoldError
+
+    ray.init(address=args.address or "auto", namespace=args.namespace, log_to_driver=False)
+    try:
+        kv = launch(args.world_size, args.gpus_per_node, cache=_cache_config(args),
+                    host_num_blocks=args.host_blocks, namespace=args.namespace, detached=True,
+                    placement_timeout_s=args.timeout)  # fmt: skip
+    except KVFoldError as e:
+        print(f"kvfold up: {e}", file=sys.stderr)
+        return 2
+    print(render_table(kv.view(), title=f"kvfold is up in namespace {args.namespace!r}"))
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    _ray_env(args.address)
+    import ray
+
+    from kvfold.cluster import teardown
+
+    ray.init(address=args.address or "auto", namespace=args.namespace, log_to_driver=False)
+    stopped = teardown(args.namespace)
+    print(f"kvfold down: stopped {len(stopped)}: {', '.join(stopped) or 'nothing was running'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvfold", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="the whole system on an embedded local cluster")
+    _add_cluster_args(d, blocks=512, tpb=16, windows="full,512")
+    d.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    d.add_argument("--requests", type=int, default=400)
+    d.add_argument("--decode-rate", type=float, default=20.0, help="tokens/s per sequence")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", default="kvfold-out")
+    d.set_defaults(fn=cmd_demo)
+
+    r = sub.add_parser("replay", help="replay a Mooncake .jsonl or Azure .csv trace")
+    r.add_argument("trace")
+    _add_cluster_args(r, blocks=4096, tpb=64, windows="full")
+    r.add_argument("--time-scale", type=float, default=1.0, help="compress trace time by X")
+    r.add_argument("--policy", default="guaranteed_no_evict",
+                   choices=["guaranteed_no_evict", "max_utilization"])  # fmt: skip
+    r.add_argument("--limit", type=int, default=None, help="first N requests only")
+    r.add_argument("--decode-rate", type=float, default=40.0, help="tokens/s per sequence")
+    r.add_argument("--out", default="kvfold-out")
+    r.set_defaults(fn=cmd_replay)
+
+    u = sub.add_parser("up", help="start kvfold on a running Ray cluster (detached)")
+    _connect_args(u)
+    _add_cluster_args(u, blocks=1024, tpb=16, windows="full")
+    u.add_argument("--timeout", type=float, default=60.0, help="placement timeout (s)")
+    u.set_defaults(fn=cmd_up)
+
+    s = sub.add_parser("status", help="print one cluster view")
+    _connect_args(s)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_status)
+
+    t = sub.add_parser("top", help="the cluster view, live")
+    _connect_args(t)
+    t.add_argument("--interval", type=float, default=0.5)
+    t.add_argument("--iterations", type=int, default=None)
+    t.set_defaults(fn=cmd_top)
+
+    dn = sub.add_parser("down", help="stop kvfold's actors")
+    _connect_args(dn)
+    dn.set_defaults(fn=cmd_down)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.fn(args)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,308 @@
+"""RankWorker: the Ray shell over one GPU rank's PagedKVCache.
+
+Holds the cache, forwards engine calls to it, and pushes a msgpack report to
+its node's host-KV actor every `report_interval_s` and, when asked, right after
+a change. Reports go out from one reporter thread, so the engine's calls never
+wait on the node's answer. The rank is also the node host tier's client:
+evicted blocks are offloaded to it and prompt misses are onboarded from it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+from kvfold.codec import encode_rank_report
+from kvfold.naming import node_actor_name
+from kvfold.stats import (
+    BlockDeltas,
+    IterationStats,
+    KVStats,
+    RankReport,
+    SequenceStatus,
+    Window,
+    sum_deltas,
+)
+from kvfold.topology import Topology
+from kvfold.worker.cache import PagedKVCache, SeqId
+from kvfold.worker.config import KVCacheConfig
+from kvfold.workload.engine import EngineRequest, SimEngine, StepResult
+
+ACK_TIMEOUT_S = 2.0
+HOST_TIMEOUT_S = 2.0
+
+
+class NodeHostTier:
+    """The node's host tier as seen from a rank: the HostTier seam over the node actor."""
+
+    def __init__(self, worker: RankWorker) -> None:
+        self.worker = worker
+        self.fetch_failures = 0
+        self.offload_failures = 0
+
+    def fetch(self, window: Window, keys: Sequence[bytes]) -> list[np.ndarray]:
+        node = self.worker.node_handle()
+        if node is None:
+            self.fetch_failures += 1
+            return []
+        try:
+            payloads: list[np.ndarray] = ray.get(
+                node.host_get.remote(self.worker.geometry, window, list(keys)),
+                timeout=HOST_TIMEOUT_S,
+            )
+        except (RayActorError, GetTimeoutError):
+            self.fetch_failures += 1
+            return []
+        return payloads
+
+    def offload(self, window: Window, key: bytes, payload: np.ndarray) -> bool:
+        node = self.worker.node_handle()
+        if node is None:
+            self.offload_failures += 1
+            return False
+        # fire and forget: the engine's step never waits on the host's answer
+        node.host_put.remote(self.worker.geometry, window, key, payload)
+        return True
+
+
+class RankWorker:
+    """One GPU rank. Built by `launch`, one GPU each; restartable (a new incarnation)."""
+
+    def __init__(
+        self,
+        rank: int,
+        rank_to_node: list[int],
+        config: KVCacheConfig | None,
+        *,
+        namespace: str,
+        report_interval_s: float = 0.1,
+        host_tier: bool = False,
+    ) -> None:
+        self.topology = Topology.from_mapping(rank_to_node)
+        self.topology.check_rank(rank)
+        self.rank = rank
+        self.node = self.topology.node_of(rank)
+        self.namespace = namespace
+        self.report_interval_s = report_interval_s
+        self.incarnation = secrets.randbits(62) | 1
+        self.seq = 0
+        self.lock = threading.RLock()
+        self.cache: PagedKVCache | None = None
+        self.engine: SimEngine | None = None
+        self.geometry: tuple[Any, ...] = ()
+        self.host = NodeHostTier(self) if host_tier else None
+        self._node: Any = None
+        self._unreported: dict[Window, BlockDeltas] = {}
+        self._added: list[SeqId] = []
+        self.reports_sent = 0
+        self.reports_failed = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        if config is not None:
+            self.bind(config)
+        self._reporter = threading.Thread(target=self._report_loop, daemon=True)
+        self._reporter.start()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def bind(self, config: KVCacheConfig) -> dict[str, Any]:
+        """Bind (or rebind, empty) the rank's KV cache."""
+        with self.lock:
+            self.cache = PagedKVCache(config, host_tier=self.host)
+            self.engine = SimEngine(self.cache)
+            self.geometry = config.block_geometry()
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {
+            "rank": self.rank,
+            "node": self.node,
+            "ray_node_id": ctx.get_node_id(),
+            "incarnation": self.incarnation,
+            "device": str(self.cache.storage.device) if self.cache else None,
+            "bound": self.cache is not None,
+            "reports_sent": self.reports_sent,
+            "reports_failed": self.reports_failed,
+            "host_fetch_failures": self.host.fetch_failures if self.host else 0,
+        }
+
+    def ping(self) -> int:
+        return self.incarnation
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def node_handle(self) -> Any:
+        if self._node is None:
+            try:
+                self._node = ray.get_actor(node_actor_name(self.node), namespace=self.namespace)
+            except ValueError:
+                return None
+        return self._node
+
+    # ------------------------------------------------------------ engine calls
+
+    def _cache(self) -> PagedKVCache:
+        if self.cache is None:
+            raise ValueError(f"rank {self.rank} has no KV cache bound; call bind(config) first")
+        return self.cache
+
+    def _changed(self, report: bool) -> None:
+        if report:
+            self._wake.set()
+
+    def add_sequence(
+        self, seq_id: SeqId, token_ids: Sequence[int], salt: str | None = None, report: bool = False
+    ) -> bool:
+        with self.lock:
+            ok = self._cache().add_sequence(seq_id, token_ids, salt=salt)
+            if ok:
+                self._added.append(seq_id)
+        self._changed(report)
+        return ok
+
+    def append_tokens(self, seq_id: SeqId, token_ids: Sequence[int], report: bool = False) -> bool:
+        with self.lock:
+            ok = self._cache().append_tokens(seq_id, token_ids)
+        self._changed(report)
+        return ok
+
+    def set_status(self, seq_id: SeqId, status: int | str, report: bool = False) -> None:
+        s = SequenceStatus[status] if isinstance(status, str) else SequenceStatus(status)
+        with self.lock:
+            self._cache().set_status(seq_id, s)
+        self._changed(report)
+
+    def free_sequence(self, seq_id: SeqId, report: bool = False) -> None:
+        with self.lock:
+            self._cache().free_sequence(seq_id)
+        self._changed(report)
+
+    def block_table(self, seq_id: SeqId, window: Window = None) -> list[int]:
+        with self.lock:
+            return self._cache().block_table(seq_id, window)
+
+    def stats(self) -> KVStats | None:
+        with self.lock:
+            return None if self.cache is None else self.cache.stats()
+
+    def cumulative(self) -> IterationStats | None:
+        with self.lock:
+            return None if self.cache is None else self.cache.cumulative()
+
+    def check_integrity(self) -> None:
+        with self.lock:
+            self._cache().check_integrity()
+
+    def write_kv(
+        self, seq_id: SeqId, layer: int, positions: list[int], k: np.ndarray, v: np.ndarray
+    ) -> None:
+        with self.lock:
+            self._cache().write_kv(
+                seq_id, layer, positions, torch.from_numpy(k), torch.from_numpy(v)
+            )
+
+    def gather_kv(self, seq_id: SeqId, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        with self.lock:
+            k, v = self._cache().gather_kv(seq_id, layer)
+        return k.cpu().numpy(), v.cpu().numpy()
+
+    def engine_step(
+        self,
+        admits: list[tuple[SeqId, np.ndarray, int, str | None]],
+        decode_tokens: int = 1,
+        report: bool = True,
+    ) -> StepResult:
+        """One step of the simple engine model (see kvfold.workload.engine)."""
+        requests = [EngineRequest(s, p, n, salt) for s, p, n, salt in admits]
+        with self.lock:
+            self._cache()
+            assert self.engine is not None
+            result = self.engine.step(requests, decode_tokens)
+            self._added.extend(result.admitted)
+        self._changed(report and bool(result.admitted or result.finished))
+        return result
+
+    def engine_drain(self) -> None:
+        with self.lock:
+            if self.engine is not None:
+                self.engine.drain()
+        self._wake.set()
+
+    # ------------------------------------------------------------ reports
+
+    def _build_report(self) -> RankReport:
+        with self.lock:
+            if self.cache is not None:
+                it = self.cache.commit_iteration()
+                self._unreported = sum_deltas([self._unreported, it.windows])
+                stats = self.cache.stats()
+                gpu = dict(stats.windows)
+                statuses = dict(stats.num_sequences_by_status)
+            else:
+                gpu, statuses = None, dict.fromkeys(SequenceStatus, 0)
+            self.seq += 1
+            report = RankReport(
+                rank=self.rank,
+                incarnation=self.incarnation,
+                seq=self.seq,
+                gpu=gpu,
+                deltas=self._unreported,
+                num_sequences_by_status=statuses,
+                added_seq_ids=tuple(self._added),
+            )
+            self._unreported = {}
+            self._added = []
+        return report
+
+    def _restore(self, report: RankReport) -> None:
+        """A report that certainly did not arrive: carry its deltas into the next one."""
+        with self.lock:
+            self._unreported = sum_deltas([report.deltas, self._unreported])
+            self._added = list(report.added_seq_ids) + self._added
+
+    def report_now(self) -> str:
+        """Build and push one report, waiting for the node's answer (for drivers and tests)."""
+        return self._push()
+
+    def _push(self) -> str:
+        report = self._build_report()
+        node = self.node_handle()
+        if node is None:
+            self._restore(report)
+            self.reports_failed += 1
+            return "node_unavailable"
+        try:
+            verdict: str = ray.get(
+                node.report.remote(encode_rank_report(report)), timeout=ACK_TIMEOUT_S
+            )
+        except RayActorError:
+            self._restore(report)  # the node actor is down: the report was not taken
+            self.reports_failed += 1
+            return "node_unavailable"
+        except GetTimeoutError:
+            self.reports_failed += 1  # unknown whether it arrived: never count twice
+            return "timeout"
+        self.reports_sent += 1
+        return verdict
+
+    def _report_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.report_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._push()
+            except (RayError, ValueError, RuntimeError, OSError) as e:
+                self.reports_failed += 1
+                print(f"kvfold rank {self.rank}: report failed: {type(e).__name__}: {e}")

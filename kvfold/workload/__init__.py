@@ -1,0 +1,1 @@
+"""Workloads: trace loaders, generated workloads, the simple engine model, replay."""

@@ -1,0 +1,109 @@
+"""SimEngine: a simple engine model over one rank's PagedKVCache.
+
+Each `step(admits)`:
+  1. every running sequence decodes one token (a sequence with no room to grow
+     is put ON_HOLD, keeping its blocks, and retried next step);
+  2. sequences that produced their last token are freed;
+  3. admitted requests are added (prefill); one that does not fit is refused.
+
+A prefilled sequence starts decoding at the next step. The engine owns no
+policy: which request goes to which rank is the scheduler's decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvfold.stats import SequenceStatus
+from kvfold.worker.cache import PagedKVCache, SeqId
+
+VOCAB = 32_000
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    seq_id: SeqId
+    prompt: Sequence[int] | np.ndarray
+    max_new_tokens: int
+    salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    admitted: tuple[SeqId, ...]
+    refused: tuple[SeqId, ...]  # did not fit: nothing changed for them
+    finished: tuple[SeqId, ...]
+    on_hold: tuple[SeqId, ...]  # could not grow this step
+    num_running: int
+    decoded_tokens: int
+
+
+class SimEngine:
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.remaining: dict[SeqId, int] = {}  # new tokens still to produce
+
+    def step(self, admits: Sequence[EngineRequest] = (), decode_tokens: int = 1) -> StepResult:
+        """One engine step; each running sequence decodes up to `decode_tokens` tokens
+        (a coarse step stands for several engine iterations when time is compressed)."""
+        if (
+            isinstance(decode_tokens, bool)
+            or not isinstance(decode_tokens, int)
+            or decode_tokens < 1
+        ):
+            raise ValueError(f"decode_tokens must be an int >= 1, got {decode_tokens!r}")
+        cache = self.cache
+        finished: list[SeqId] = []
+        on_hold: list[SeqId] = []
+        decoded = 0
+        for sid, left in list(self.remaining.items()):
+            status = cache.status_of(sid)
+            if status is SequenceStatus.IN_PREFILL:
+                cache.set_status(sid, SequenceStatus.PREFILLED)
+                left -= 1  # prefill produces the first token
+            elif cache.append_tokens(sid, self._next_tokens(sid, min(decode_tokens, left))):
+                if status is not SequenceStatus.IN_DECODE:
+                    cache.set_status(sid, SequenceStatus.IN_DECODE)
+                n = min(decode_tokens, left)
+                decoded += n
+                left -= n
+            else:
+                cache.set_status(sid, SequenceStatus.ON_HOLD)
+                on_hold.append(sid)
+            if left <= 0:
+                cache.free_sequence(sid)
+                del self.remaining[sid]
+                finished.append(sid)
+            else:
+                self.remaining[sid] = left
+        admitted: list[SeqId] = []
+        refused: list[SeqId] = []
+        for req in admits:
+            if req.max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+            if cache.add_sequence(req.seq_id, req.prompt, salt=req.salt):
+                self.remaining[req.seq_id] = req.max_new_tokens
+                admitted.append(req.seq_id)
+            else:
+                refused.append(req.seq_id)
+        return StepResult(
+            admitted=tuple(admitted),
+            refused=tuple(refused),
+            finished=tuple(finished),
+            on_hold=tuple(on_hold),
+            num_running=len(self.remaining),
+            decoded_tokens=decoded,
+        )
+
+    def _next_tokens(self, sid: SeqId, n: int) -> np.ndarray:
+        start = self.cache.num_tokens(sid)
+        return (np.arange(start, start + n, dtype=np.int64) * 7919) % VOCAB
+
+    def drain(self) -> None:
+        """Free every sequence the engine holds."""
+        for sid in list(self.remaining):
+            self.cache.free_sequence(sid)
+        self.remaining.clear()

@@ -1,0 +1,188 @@
+"""ReplayRecorder: what a replay measured, as counts, samples, a CSV and a PNG. Pure; no Ray."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvfold.view import ClusterView, SourceState
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSample:
+    node: int
+    state: str
+    gpu_usage: float  # 0.0-1.0 over fresh ranks
+    gpu_used: int
+    gpu_total: int
+    host_used: int
+    host_total: int
+    fresh_ranks: int
+    running: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    wall_s: float
+    trace_s: float
+    version: int
+    queued: int
+    in_flight: int
+    nodes: tuple[NodeSample, ...]
+
+
+def sample_view(
+    view: ClusterView, wall_s: float, trace_s: float, queued: int, in_flight: int
+) -> Sample:
+    nodes = []
+    for i, (n, s) in enumerate(zip(view.nodes, view.node_states, strict=True)):
+        if n is None:
+            nodes.append(NodeSample(i, s.value, 0.0, 0, 0, 0, 0, 0, 0))
+            continue
+        fresh = s is SourceState.FRESH
+        g = n.gpu_total
+        h = n.host
+        nodes.append(
+            NodeSample(
+                node=i,
+                state=s.value,
+                gpu_usage=g.usage if fresh else 0.0,
+                gpu_used=g.num_blocks_used,
+                gpu_total=g.num_blocks_total,
+                host_used=h.num_blocks_used if h else 0,
+                host_total=h.num_blocks_total if h else 0,
+                fresh_ranks=n.num_ranks_fresh,
+                running=n.num_valid_sequences,
+            )
+        )
+    return Sample(wall_s, trace_s, view.version, queued, in_flight, tuple(nodes))
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+@dataclass
+class ReplayRecorder:
+    num_requests: int = 0
+    admitted: int = 0
+    rejected: int = 0
+    completed: int = 0
+    ever_queued: int = 0
+    queue_decisions: int = 0
+    overcommits: int = 0  # admitted, then refused by the rank for lack of blocks
+    decode_stalls: int = 0  # a running sequence could not grow in a step
+    queue_delays_s: list[float] = field(default_factory=list)  # trace seconds
+    decisions: Counter[str] = field(default_factory=Counter)
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+    final: dict[str, Any] = field(default_factory=dict)
+
+    def finish(self, view: ClusterView, wall_s: float) -> None:
+        c = view.counters.total
+        host = view.host
+        self.wall_s = wall_s
+        self.final = {
+            "gpu_hit_rate": c.hit_rate,
+            "hit_rate_with_host": c.hit_rate_with_host,
+            "reused_blocks": c.reused_blocks,
+            "missed_blocks": c.missed_blocks,
+            "onboarded_blocks": c.onboarded_blocks,
+            "offloaded_blocks": c.offloaded_blocks,
+            "evicted_blocks": c.evicted_blocks,
+            "host_dropped_blocks": host.dropped_blocks,
+            "view_version": view.version,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        d = self.queue_delays_s
+        peak = [max((n.gpu_usage for n in s.nodes), default=0.0) for s in self.samples]
+        return {
+            "requests": self.num_requests,
+            "admitted": self.admitted,
+            "rejected": self.rejected,
+            "completed": self.completed,
+            "ever_queued": self.ever_queued,
+            "queue_decisions": self.queue_decisions,
+            "queue_delay_p50_s": _pct(d, 0.5),
+            "queue_delay_p99_s": _pct(d, 0.99),
+            "queue_delay_mean_s": statistics.fmean(d) if d else 0.0,
+            "overcommits": self.overcommits,
+            "decode_stalls": self.decode_stalls,
+            "peak_node_gpu_usage": max(peak, default=0.0),
+            "decisions": dict(self.decisions),
+            "wall_s": self.wall_s,
+            **self.final,
+        }
+
+    def format_summary(self) -> str:
+        s = self.summary()
+        return "\n".join(
+            [
+                f"requests {s['requests']}: admitted {s['admitted']}, rejected {s['rejected']}, "
+                f"completed {s['completed']}, queued at least once {s['ever_queued']}",
+                f"queueing delay (trace s): p50 {s['queue_delay_p50_s']:.2f}, "
+                f"p99 {s['queue_delay_p99_s']:.2f}, mean {s['queue_delay_mean_s']:.2f}",
+                f"GPU prefix hit rate {100 * s.get('gpu_hit_rate', 0):.1f}%, with host tier "
+                f"{100 * s.get('hit_rate_with_host', 0):.1f}% (reused {s.get('reused_blocks', 0)}, "
+                f"onboarded {s.get('onboarded_blocks', 0)}, missed {s.get('missed_blocks', 0)} "
+                "blocks)",
+                f"host tier: offloaded {s.get('offloaded_blocks', 0)}, dropped unread "
+                f"{s.get('host_dropped_blocks', 0)} blocks",
+                f"over-commits {s['overcommits']} (must be 0), decode stalls {s['decode_stalls']}, "
+                f"peak node GPU usage {100 * s['peak_node_gpu_usage']:.1f}%, "
+                f"wall {s['wall_s']:.1f} s",
+            ]
+        )
+
+    def write_csv(self, path: str | Path) -> None:
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["wall_s", "trace_s", "version", "queued", "in_flight", "node", "state",
+                        "gpu_usage", "gpu_used", "gpu_total", "host_used", "host_total",
+                        "fresh_ranks", "running"])  # fmt: skip
+            for s in self.samples:
+                for n in s.nodes:
+                    row = [f"{s.wall_s:.3f}", f"{s.trace_s:.3f}", s.version, s.queued, s.in_flight]
+                    row += [n.node, n.state, f"{n.gpu_usage:.4f}", n.gpu_used, n.gpu_total]
+                    row += [n.host_used, n.host_total, n.fresh_ranks, n.running]
+                    w.writerow(row)
+
+    def write_png(self, path: str | Path, title: str = "kvfold: node utilization") -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        nodes = sorted({n.node for s in self.samples for n in s.nodes})
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+        t = [s.trace_s for s in self.samples]
+        for node in nodes:
+            mine = [next((n for n in s.nodes if n.node == node), None) for s in self.samples]
+            gpu = [100 * n.gpu_usage if n else 0.0 for n in mine]
+            host = [100 * n.host_used / n.host_total if n and n.host_total else 0.0 for n in mine]
+            ax1.plot(t, gpu, label=f"node {node}")
+            ax2.plot(t, host, label=f"node {node}")
+        ax1.set_ylabel("GPU KV used %")
+        ax2.set_ylabel("host KV used %")
+        ax2.set_xlabel("trace time (s)")
+        ax1.set_ylim(0, 105)
+        ax2.set_ylim(0, 105)
+        ax1.legend(loc="upper right", fontsize=8)
+        s = self.summary()
+        ax1.set_title(
+            f"{title}\nadmitted {s['admitted']}/{s['requests']}, over-commits {s['overcommits']}, "
+            f"hit rate {100 * s.get('gpu_hit_rate', 0):.1f}% (+host "
+            f"{100 * s.get('hit_rate_with_host', 0):.1f}%)",
+            fontsize=10,
+        )
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)

@@ -1,0 +1,31 @@
+"""A local multi-node Ray cluster per test module (simulated GPUs), shared by its tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+
+def wait_until(
+    cond: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.02
+) -> object:
+    """Poll `cond` until it returns something truthy; fail with the last value on timeout."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        last = cond()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s} s (last: {last!r})")
+
+
+@pytest.fixture(scope="module")
+def local_cluster():  # type: ignore[no-untyped-def]
+    from kvfold.cluster import start_local_cluster
+
+    cluster = start_local_cluster(num_nodes=3, gpus_per_node=4)
+    yield cluster
+    cluster.shutdown()

@@ -1,0 +1,135 @@
+"""The Ray runtime on 3 simulated nodes of 4 GPUs, world size 10 (a partial last node)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvfold.errors import PlacementError
+from kvfold.stats import SequenceStatus
+from kvfold.view import SourceState
+from kvfold.worker import KVCacheConfig
+from tests.integration.conftest import wait_until
+
+pytestmark = pytest.mark.integration
+
+CACHE = KVCacheConfig(
+    tokens_per_block=4, num_blocks=64, windows=(None, 8), num_layers=2, num_kv_heads=2,
+    head_dim=8, dtype="float32", device="auto",
+)  # fmt: skip
+HOST_BLOCKS = 16
+
+
+@pytest.fixture(scope="module")
+def kv(local_cluster):  # type: ignore[no-untyped-def]
+    from kvfold.cluster import launch
+
+    deployment = launch(10, 4, cache=CACHE, host_num_blocks=HOST_BLOCKS)
+    yield deployment
+    deployment.shutdown()
+
+
+def test_view_has_three_nodes_of_4_4_2_all_fresh(kv) -> None:  # type: ignore[no-untyped-def]
+    view = kv.wait_until_fresh()
+    assert [n.num_ranks_expected for n in view.nodes] == [4, 4, 2]
+    assert [(n.rank_start, n.rank_end) for n in view.nodes] == [(0, 4), (4, 8), (8, 10)]
+    assert all(s is SourceState.FRESH for s in view.node_states)
+    assert view.stale_ranks == view.dead_ranks == view.missing_ranks == ()
+    # GPU: 10 ranks x 2 windows x 64 blocks; host: 3 nodes x 16, once per node, not per rank
+    assert view.gpu_total.num_blocks_total == 10 * 2 * 64
+    assert view.host.num_blocks_total == 3 * HOST_BLOCKS
+    for n in view.nodes:
+        assert n.host is not None and n.host.num_blocks_total == HOST_BLOCKS
+    # each rank sits on the Ray node its node actor is pinned to
+    for r in (0, 5, 9):
+        info = kv.rank(r).info()
+        assert info["node"] == kv.topology.node_of(r)
+        assert info["ray_node_id"] == kv.ray_node_ids[info["node"]]
+
+
+def test_sequences_show_up_with_exact_block_counts(kv) -> None:  # type: ignore[no-untyped-def]
+    before = kv.view()
+    # rank 1: 10 tokens -> full: ceil(10/4) = 3; window 8: blocks meeting [2, 10) = 0..2 -> 3
+    # rank 5: 17 tokens -> full: 5; window 8: [9, 17) -> blocks 2..4 -> 3
+    # rank 9: 16 tokens -> full: 4; window 8: [8, 16) -> blocks 2..3 -> 2
+    plan = {1: (10, 3, 3), 5: (17, 5, 3), 9: (16, 4, 2)}
+    t0 = time.monotonic()
+    for r, (n, _, _) in plan.items():
+        assert kv.rank(r).add_sequence(f"seq-{r}", list(range(1000 * r, 1000 * r + n)), report=True)
+
+    def visible():  # type: ignore[no-untyped-def]
+        v = kv.wait_for_version(before.version, timeout_s=1.0) or kv.view()
+        ok = all(
+            v.rank_summary(r)[0].gpu[None].num_blocks_used == full  # type: ignore[index]
+            for r, (_, full, _) in plan.items()
+        )
+        return v if ok else None
+
+    view = wait_until(visible, timeout_s=10.0)
+    latency_s = time.monotonic() - t0
+    for r, (_, full, win) in plan.items():
+        summary, node_state = view.rank_summary(r)
+        assert node_state is SourceState.FRESH
+        assert summary.gpu[None].num_blocks_used == full
+        assert summary.gpu[8].num_blocks_used == win
+        assert summary.num_valid_sequences == 1
+    node1, node2 = view.nodes[1], view.nodes[2]
+    assert node1.gpu[None].num_blocks_used == 5 and node1.gpu[8].num_blocks_used == 3
+    assert node2.gpu_total.num_blocks_used == 4 + 2
+    assert view.nodes[0].gpu_total.num_blocks_used == 3 + 3
+    assert view.gpu_total.num_blocks_used == (3 + 3) + (5 + 3) + (4 + 2)
+    assert view.num_sequences_by_status[SequenceStatus.IN_PREFILL] == 3
+    assert view.counters.total.missed_blocks == 3 + 3 + 5 + 3 + 4 + 2
+    print(f"change visible after {latency_s * 1000:.0f} ms")
+    for r in plan:
+        kv.rank(r).free_sequence(f"seq-{r}", report=True)
+    wait_until(lambda: kv.view().gpu_total.num_blocks_used == 0)
+
+
+def test_second_driver_and_status_json(kv, local_cluster) -> None:  # type: ignore[no-untyped-def]
+    env = dict(os.environ)
+    code = (
+        "import json, sys\n"
+        "from kvfold.aggregator.client import KVFoldClient\n"
+        f"c = KVFoldClient(address={local_cluster.address!r}, namespace={kv.namespace!r})\n"
+        "v = c.view()\n"
+        "print(json.dumps([v.world_size, [n.num_ranks_expected for n in v.nodes],\n"
+        "                  v.gpu_total.num_blocks_total, v.host.num_blocks_total]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [10, [4, 4, 2], 1280, 48]
+
+    cli = [sys.executable, "-m", "kvfold.cli", "status", "--json",
+           "--address", local_cluster.address, "--namespace", kv.namespace]  # fmt: skip
+    out = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    status = json.loads(out.stdout)
+    assert status["world_size"] == 10
+    assert [n["num_ranks_expected"] for n in status["nodes"]] == [4, 4, 2]
+    assert status["totals"]["gpu"]["num_blocks_total"] == 1280
+
+
+def test_too_many_gpus_fails_in_time_and_leaves_nothing(kv) -> None:  # type: ignore[no-untyped-def]
+    import ray
+
+    from kvfold.cluster import launch
+
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=r"missing \d+ GPU") as e:
+        launch(20, 4, cache=CACHE, namespace="too-big", placement_timeout_s=3.0)
+    assert time.monotonic() - t0 < 30
+    assert "20 ranks" in str(e.value)
+    names = [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "too-big"
+    ]
+    assert names == []
+    pending = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
+    assert len(pending) == 1  # only the running deployment's group
+    assert kv.view().gpu_total.num_blocks_total == 1280  # the running one is untouched
