@@ -9,12 +9,14 @@ from kvfold.admission.policy import (
     Policy,
     blocks_needed,
 )
+from kvfold.admission.queue import FifoAdmissionQueue
 
 __all__ = [
     "AdmissionController",
     "AdmissionPolicy",
     "AdmissionRequest",
     "Decision",
+    "FifoAdmissionQueue",
     "Outcome",
     "Policy",
     "blocks_needed",

@@ -207,18 +207,24 @@ class AdmissionPolicy:
             self.reserved = np.zeros_like(self.index.free)
             for res in self.reservations.values():
                 self._add(res, +1)
-        for rid in [rid for rid, res in self.reservations.items()
-                    if rid in self.index.added.get(res.rank, ())]:  # fmt: skip
-            self._drop(rid)
-            self.released_by_report += 1
+        for res in list(self.reservations.values()):
+            if not res.accounted and res.request_id in self.index.added.get(res.rank, ()):
+                # the view now counts the prompt's blocks; keep only the growth still to come
+                self._add(res, -1)
+                res.blocks = {w: n - res.prompt_blocks.get(w, 0) for w, n in res.blocks.items()}
+                res.accounted = True
+                self._add(res, +1)
+                self.released_by_report += 1
         self.expire(now_s)
 
     def expire(self, now_s: float) -> None:
-        for rid in [
-            rid for rid, r in self.reservations.items() if now_s - r.made_at_s >= self.ttl_s
-        ]:
-            self._drop(rid)
-            self.released_by_ttl += 1
+        """Drop reservations past their TTL: never accounted for within `ttl_s`, or
+        accounted but never released within `residual_ttl_s`."""
+        for rid, r in list(self.reservations.items()):
+            ttl = self.residual_ttl_s if r.accounted else self.ttl_s
+            if now_s - r.made_at_s >= ttl:
+                self._drop(rid)
+                self.released_by_ttl += 1
 
     def _add(self, res: Reservation, sign: int) -> None:
         assert self.index is not None

@@ -16,14 +16,19 @@ trace time):
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from kvfold.admission import AdmissionController, AdmissionRequest, Outcome, Policy
+from kvfold.admission import (
+    AdmissionController,
+    AdmissionRequest,
+    FifoAdmissionQueue,
+    Outcome,
+    Policy,
+)
 from kvfold.cluster.launch import KVFold
 from kvfold.view import ClusterView
 from kvfold.worker.hashing import block_keys
@@ -64,7 +69,13 @@ def replay(
     tpb = kv.settings.cache.tokens_per_block if kv.settings.cache else 16
     arrivals = sorted(workload, key=lambda r: r.arrival_s)
     by_id = {r.request_id: r for r in arrivals}
-    pending: deque[TraceRequest] = deque()
+    tpb_keys = tpb if config.prefix_affinity else 0
+
+    def to_request(req: TraceRequest) -> AdmissionRequest:
+        keys = tuple(block_keys(req.prompt, tpb_keys)) if tpb_keys else ()
+        return AdmissionRequest(req.request_id, req.prompt_tokens, req.max_new_tokens, keys)
+
+    pending: FifoAdmissionQueue[TraceRequest] = FifoAdmissionQueue(to_request)
     queued_once: set[str] = set()
     in_flight: dict[str, int] = {}
     next_arrival = 0
@@ -76,24 +87,18 @@ def replay(
         wall = time.monotonic() - start
         trace_now = wall * config.time_scale
         while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= trace_now:
-            pending.append(arrivals[next_arrival])
+            pending.push(arrivals[next_arrival])
             next_arrival += 1
         controller.refresh()
         admits: dict[int, list[tuple[Any, Any, int, None]]] = {}
-        while pending:
-            req = pending[0]
-            keys = tuple(block_keys(req.prompt, tpb)) if config.prefix_affinity else ()
-            d = controller.decide(
-                AdmissionRequest(req.request_id, req.prompt_tokens, req.max_new_tokens, keys)
-            )
+        for req, d in pending.pump(controller.decide):
             rec.decisions[f"{d.outcome.value}:{d.reason}"] += 1
             if d.outcome is Outcome.QUEUE:
                 rec.queue_decisions += 1
                 if req.request_id not in queued_once:
                     queued_once.add(req.request_id)
                     rec.ever_queued += 1
-                break
-            pending.popleft()
+                continue
             if d.outcome is Outcome.REJECT:
                 rec.rejected += 1
                 continue
@@ -114,12 +119,12 @@ def replay(
                 controller.release(str(sid))
                 in_flight.pop(str(sid), None)
                 rec.completed += 1
-            for sid in reversed(res.refused):
+            for sid in res.refused:
                 controller.release(str(sid))
                 in_flight.pop(str(sid), None)
                 rec.overcommits += 1
                 rec.admitted -= 1
-                pending.appendleft(by_id[str(sid)])
+            pending.push_front(by_id[str(sid)] for sid in res.refused)
         if wall - last_sample >= config.sample_interval_s:
             last_sample = wall
             view = kv.view()

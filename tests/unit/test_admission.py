@@ -1,0 +1,211 @@
+"""Admission policy: blocks needed, outcomes, no over-commit under threads, FIFO order."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvfold.admission import (
+    AdmissionController,
+    AdmissionRequest,
+    FifoAdmissionQueue,
+    Outcome,
+    Policy,
+    blocks_needed,
+)
+from kvfold.aggregator.fold import fold_cluster, fold_node
+from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus
+from kvfold.topology import Topology
+from kvfold.view import ClusterView, SourceState
+
+GNE, MAXU = Policy.GUARANTEED_NO_EVICT, Policy.MAX_UTILIZATION
+
+
+def make_view(
+    topo: Topology,
+    used: dict[int, int] | None = None,
+    total: int = 100,
+    windows=(None,),  # type: ignore[no-untyped-def]
+    states: dict[int, SourceState] | None = None,
+    added: dict[int, tuple[str, ...]] | None = None,
+    version: int = 1,
+) -> ClusterView:
+    used = used or {}
+    reports = {
+        r: RankReport(
+            rank=r,
+            incarnation=1,
+            seq=version,
+            gpu={w: BlockGauges(total, used.get(r, 0), 0, 4) for w in windows},
+            deltas={w: BlockDeltas() for w in windows},
+            num_sequences_by_status=dict.fromkeys(SequenceStatus, 0),
+            added_seq_ids=(added or {}).get(r, ()),
+        )  # fmt: skip
+        for r in range(topo.world_size)
+    }
+    views = {
+        n: fold_node(topo, n, {r: reports[r] for r in topo.ranks_on(n)}, None, states or {})
+        for n in range(topo.num_nodes)
+    }
+    return fold_cluster(topo, views, version=version)
+
+
+def test_blocks_needed_per_window_both_policies() -> None:
+    # B = 4; prompt 30, max_new 20
+    gne = blocks_needed(30, 20, (None, 8, 64), 4, GNE)
+    # F = 50: full ceil(50/4) = 13; W=8: min(13, ceil(8/4) + 1 = 3) = 3; W=64: min(13, 17) = 13
+    assert gne == {None: 13, 8: 3, 64: 13}
+    mu = blocks_needed(30, 20, (None, 8, 64), 4, MAXU)
+    # F = 30 + 4 = 34: full ceil(34/4) = 9; W=8: 3; W=64: min(9, 17) = 9
+    assert mu == {None: 9, 8: 3, 64: 9}
+
+
+def test_admit_reject_queue_and_reasons() -> None:
+    topo = Topology(4, 2)
+    view = make_view(topo, used={0: 90, 1: 95, 2: 99, 3: 80})
+    ctl = AdmissionController(lambda: view, policy=GNE, watermark=2)
+    big = ctl.decide(AdmissionRequest("too-big", prompt_tokens=400, max_new_tokens=0))
+    assert (big.outcome, big.reason) == (Outcome.REJECT, "exceeds_rank_capacity")  # 100 > 100 - 2
+    d = ctl.decide(AdmissionRequest("a", prompt_tokens=40, max_new_tokens=20))  # 15 blocks
+    assert (d.outcome, d.rank, d.node) == (Outcome.ADMIT, 3, 1)  # only rank 3 has 20 - 2 >= 15
+    assert d.view_version == 1 and d.blocks == {None: 15}
+    q = ctl.decide(AdmissionRequest("b", prompt_tokens=40, max_new_tokens=20))
+    assert (q.outcome, q.reason) == (Outcome.QUEUE, "insufficient_free_blocks")  # 18 - 15 = 3 left
+    assert ctl.decisions[("admit", "fits")] == 1
+
+
+def test_every_window_must_fit_on_the_same_rank() -> None:
+    topo = Topology(2, 2)
+    reports_view = make_view(topo, windows=(None, 8), total=10)
+    ctl = AdmissionController(lambda: reports_view)
+    # full needs ceil(36/4) = 9 <= 10, window 8 needs min(9, 3) = 3 <= 10: fits
+    assert ctl.decide(AdmissionRequest("x", 30, 6)).outcome is Outcome.ADMIT
+    # 44 tokens -> 11 full blocks > 10 total: rejected although window 8 would fit
+    d = ctl.decide(AdmissionRequest("y", 40, 4))
+    assert (d.outcome, d.reason) == (Outcome.REJECT, "exceeds_rank_capacity")
+
+
+def test_all_stale_queues_with_no_fresh_capacity() -> None:
+    topo = Topology(4, 2)
+    stale = {r: SourceState.STALE for r in range(4)}
+    view = make_view(topo, states=stale)
+    d = AdmissionController(lambda: view).decide(AdmissionRequest("a", 4, 1))
+    assert (d.outcome, d.reason) == (Outcome.QUEUE, "no_fresh_capacity")
+    d = AdmissionController(lambda: view, stale_policy="reject").decide(AdmissionRequest("a", 4, 1))
+    assert (d.outcome, d.reason) == (Outcome.REJECT, "no_fresh_capacity")
+    # one stale rank is never a candidate, however empty it looks
+    view = make_view(topo, used={0: 99, 1: 99, 2: 99, 3: 0}, states={3: SourceState.STALE})
+    d = AdmissionController(lambda: view).decide(AdmissionRequest("b", 20, 0))
+    assert (d.outcome, d.reason) == (Outcome.QUEUE, "insufficient_free_blocks")
+
+
+@pytest.mark.parametrize("policy", [GNE, MAXU])
+def test_no_over_commit_from_four_threads_then_capacity_returns(policy: Policy) -> None:
+    topo = Topology(8, 4)
+    watermark = 5
+    view = make_view(topo, used={r: 10 * r for r in range(8)}, total=100)
+    ctl = AdmissionController(lambda: view, policy=policy, watermark=watermark)
+    ctl.refresh(force=True)
+    admitted: list = []  # type: ignore[type-arg]
+    lock = threading.Lock()
+
+    def worker(t: int) -> None:
+        for i in range(50):
+            d = ctl.decide(AdmissionRequest(f"t{t}-{i}", prompt_tokens=17, max_new_tokens=12))
+            if d.outcome is Outcome.ADMIT:
+                with lock:
+                    admitted.append((f"t{t}-{i}", d))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (
+        ctl.decisions[("admit", "fits")] + ctl.decisions[("queue", "insufficient_free_blocks")]
+        == 200
+    )
+    per_rank: dict[int, int] = {}
+    for _, d in admitted:
+        per_rank[d.rank] = per_rank.get(d.rank, 0) + d.blocks[None]
+    for r in range(8):
+        free = 100 - 10 * r
+        assert per_rank.get(r, 0) <= free - watermark  # never promised more than it had
+        assert ctl.policy.promised(r)[None] == per_rank.get(r, 0)
+    assert len(admitted) < 200  # the cluster filled up: the rest were queued, not over-promised
+    # the ranks report the prompts: reservations shrink to the growth still to come
+    prompt_blocks = blocks_needed(17, 0, (None,), 4, GNE)[None]  # ceil(17/4) = 5
+    need = admitted[0][1].blocks[None]
+    used = {r: 10 * r for r in range(8)}
+    added: dict[int, list[str]] = {}
+    for rid, d in admitted:
+        used[d.rank] += prompt_blocks
+        added.setdefault(d.rank, []).append(rid)
+    view = make_view(topo, used=used, added={r: tuple(v) for r, v in added.items()}, version=2)
+    ctl.refresh(force=True)
+    for r, ids in added.items():
+        assert ctl.policy.promised(r)[None] == len(ids) * (need - prompt_blocks)
+    # the requests finish: their reservations go and the capacity comes back
+    for rid, _ in admitted:
+        assert ctl.release(rid)
+    view = make_view(topo, used={r: 10 * r for r in range(8)}, version=3)
+    ctl.refresh(force=True)
+    assert all(ctl.policy.promised(r)[None] == 0 for r in range(8))
+    d = ctl.decide(AdmissionRequest("after", prompt_tokens=17, max_new_tokens=12))
+    assert d.outcome is Outcome.ADMIT and d.rank == 0  # rank 0 has the most room again
+
+
+def test_reservations_expire_after_ttl() -> None:
+    topo = Topology(1, 1)
+    now = [0.0]
+    view = make_view(topo, total=20)
+    ctl = AdmissionController(lambda: view, reservation_ttl_s=5.0, clock=lambda: now[0])
+    assert ctl.decide(AdmissionRequest("a", 60, 0)).outcome is Outcome.ADMIT  # 15 of 20
+    assert ctl.decide(AdmissionRequest("b", 60, 0)).outcome is Outcome.QUEUE
+    now[0] = 5.0
+    ctl.refresh(force=True)
+    assert ctl.decide(AdmissionRequest("b", 60, 0)).outcome is Outcome.ADMIT
+
+
+def test_prefix_affinity_prefers_the_rank_that_holds_the_prefix() -> None:
+    topo = Topology(4, 4)
+    view = make_view(topo, used={0: 0, 1: 50, 2: 50, 3: 50})
+    ctl = AdmissionController(lambda: view)
+    keys = (b"k1", b"k2", b"k3")
+    first = ctl.decide(AdmissionRequest("a", 12, 1, keys))
+    assert first.rank == 0  # most room
+    view = make_view(topo, used={0: 90, 1: 50, 2: 50, 3: 50}, version=2)
+    ctl.refresh(force=True)
+    second = ctl.decide(AdmissionRequest("b", 12, 1, (b"k1", b"k2", b"zz")))
+    assert (second.rank, second.reason) == (0, "fits_prefix")  # holds k1, k2 and still fits
+    other = ctl.decide(AdmissionRequest("c", 12, 1, (b"q",)))
+    assert other.rank != 0
+
+
+def test_fifo_queue_stops_at_the_first_queue_and_drops_rejects() -> None:
+    topo = Topology(1, 1)
+    view = make_view(topo, total=10)
+    ctl = AdmissionController(lambda: view)
+    q: FifoAdmissionQueue[tuple[str, int]] = FifoAdmissionQueue(
+        lambda item: AdmissionRequest(item[0], item[1], 0)
+    )
+    for item in [("small-1", 8), ("huge", 400), ("big", 36), ("small-2", 4)]:
+        q.push(item)
+    got = [(item[0], d.outcome) for item, d in q.pump(ctl.decide)]
+    # small-1 takes 2 of 10; huge can never fit; big (9 blocks) waits; small-2 must not overtake
+    assert got == [("small-1", Outcome.ADMIT), ("huge", Outcome.REJECT), ("big", Outcome.QUEUE)]
+    assert len(q) == 2
+
+
+def test_bad_requests_and_arguments() -> None:
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        AdmissionRequest("a", 0, 1)
+    with pytest.raises(ValueError, match="request_id"):
+        AdmissionRequest("", 1, 1)
+    with pytest.raises(ValueError, match="watermark"):
+        AdmissionController(lambda: None, watermark=-1)
+    with pytest.raises(TypeError, match="view_source"):
+        AdmissionController(42)
+    with pytest.raises(ValueError, match="stale_policy"):
+        AdmissionController(lambda: None, stale_policy="maybe")

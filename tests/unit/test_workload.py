@@ -1,0 +1,103 @@
+"""The engine model, trace loaders, generated workload and recorder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvfold.aggregator.fold import fold_cluster, fold_node
+from kvfold.stats import SequenceStatus
+from kvfold.topology import Topology
+from kvfold.worker.hashing import block_keys
+from kvfold.workload.engine import EngineRequest, SimEngine
+from kvfold.workload.recorder import ReplayRecorder, sample_view
+from kvfold.workload.requests import shared_prefix_workload
+from kvfold.workload.traces import hash_id_tokens, load_azure, load_mooncake, load_trace
+from tests.unit.builders import make_cache, make_report
+
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+
+
+def test_engine_prefills_decodes_and_frees() -> None:
+    cache = make_cache(num_blocks=8)
+    eng = SimEngine(cache)
+    r = eng.step([EngineRequest("a", list(range(6)), max_new_tokens=3)])
+    assert r.admitted == ("a",) and cache.status_of("a") is SequenceStatus.IN_PREFILL
+    r = eng.step()  # prefill produces token 1 of 3
+    assert cache.status_of("a") is SequenceStatus.PREFILLED
+    r = eng.step(decode_tokens=1)
+    assert cache.status_of("a") is SequenceStatus.IN_DECODE and cache.num_tokens("a") == 7
+    r = eng.step(decode_tokens=5)  # only 1 left
+    assert r.finished == ("a",) and not cache.has_sequence("a")
+    cache.check_integrity()
+
+
+def test_engine_refuses_what_does_not_fit_and_holds_what_cannot_grow() -> None:
+    cache = make_cache(num_blocks=3)
+    eng = SimEngine(cache)
+    r = eng.step(
+        [EngineRequest("a", list(range(8)), 10), EngineRequest("b", list(range(50, 58)), 5)]
+    )
+    assert r.admitted == ("a",) and r.refused == ("b",)
+    eng.step()
+    r = eng.step(decode_tokens=8)  # 8 -> 16 tokens needs 4 blocks of 3
+    assert r.on_hold == ("a",) and cache.status_of("a") is SequenceStatus.ON_HOLD
+    eng.drain()
+    assert cache.stats().total.num_blocks_used == 0
+
+
+def test_shared_prefix_workload_is_deterministic_and_shares() -> None:
+    a = shared_prefix_workload(50, 10.0, seed=3)
+    b = shared_prefix_workload(50, 10.0, seed=3)
+    assert [r.request_id for r in a] == [r.request_id for r in b]
+    assert all(np.array_equal(x.prompt, y.prompt) for x, y in zip(a, b, strict=True))
+    groups = [r for r in a if r.prefix_group == 0]
+    assert len(groups) >= 2
+    k0, k1 = block_keys(groups[0].prompt, 16), block_keys(groups[1].prompt, 16)
+    assert k0[:16] == k1[:16]  # at least 256 shared tokens
+
+
+@pytest.mark.skipif(not (TRACES / "synthetic_trace.jsonl").exists(), reason="traces absent")
+def test_mooncake_prefix_sharing_is_exact_at_any_block_size() -> None:
+    reqs = load_mooncake(TRACES / "synthetic_trace.jsonl", limit=200)
+    assert reqs[0].prompt_tokens == 40160 and reqs[0].arrival_s == 0.0
+    assert np.array_equal(reqs[0].prompt[:512], hash_id_tokens(0))
+    for tpb in (16, 64, 512):
+        ka, kb = block_keys(reqs[0].prompt, tpb), block_keys(reqs[1].prompt, tpb)
+        assert ka[0] != kb[0]  # different first hash ids share nothing
+
+
+@pytest.mark.skipif(not (TRACES / "AzureLLMInferenceTrace_code.csv").exists(), reason="absent")
+def test_azure_loader() -> None:
+    reqs = load_azure(TRACES / "AzureLLMInferenceTrace_code.csv", limit=3)
+    assert [(r.prompt_tokens, r.max_new_tokens) for r in reqs] == [(4808, 10), (3180, 8), (110, 27)]
+    assert reqs[1].arrival_s == pytest.approx(0.052)
+
+
+def test_bad_traces(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        load_trace(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1]}\n')
+    with pytest.raises(ValueError, match="needs 2 hash_ids"):
+        load_trace(bad)
+    with pytest.raises(ValueError, match=".jsonl"):
+        load_trace(bad.with_suffix(".txt").resolve().parent)
+
+
+def test_recorder_writes_csv_and_png(tmp_path: Path) -> None:
+    topo = Topology(4, 2)
+    rec = ReplayRecorder(num_requests=3, admitted=3, completed=3)
+    for i in range(3):
+        views = {n: fold_node(topo, n, {r: make_report(r, used=i + r) for r in topo.ranks_on(n)}, None, {})
+                 for n in range(2)}  # fmt: skip
+        rec.samples.append(sample_view(fold_cluster(topo, views, version=i), i, 10.0 * i, 0, 1))
+    rec.finish(fold_cluster(topo, views, version=9), 3.0)
+    rec.write_csv(tmp_path / "s.csv")
+    rec.write_png(tmp_path / "s.png")
+    lines = (tmp_path / "s.csv").read_text().splitlines()
+    assert len(lines) == 1 + 3 * 2  # header + 3 samples x 2 nodes
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    assert "over-commits 0" in rec.format_summary()
