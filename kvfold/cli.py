@@ -123,21 +123,29 @@ def _run_embedded(args: argparse.Namespace, workload: Any, stem: str, replay_cfg
     from kvfold.cluster.replay import replay
 
     cache = _cache_config(args)
-    print(f"kvfold: starting an embedded Ray cluster: {args.nodes} nodes x {args.gpus_per_node} "
-          f"simulated GPUs ...", flush=True)  # fmt: skip
+    print(
+        f"kvfold: starting an embedded Ray cluster: {args.nodes} nodes x {args.gpus_per_node} "
+        f"simulated GPUs ...",
+        flush=True,
+    )
     t0 = time.monotonic()
     cluster = start_local_cluster(args.nodes, args.gpus_per_node, namespace=DEFAULT_NAMESPACE)
     try:
-        print(f"kvfold: launching world size {args.world_size} (rank actors, node actors, "
-              f"aggregator) ...", flush=True)  # fmt: skip
+        print(
+            f"kvfold: launching world size {args.world_size} (rank actors, node actors, "
+            f"aggregator) ...",
+            flush=True,
+        )
         kv = launch(
             args.world_size, args.gpus_per_node, cache=cache, host_num_blocks=args.host_blocks
         )
         view = kv.view()
-        print(f"kvfold: up in {time.monotonic() - t0:.1f} s: {view.num_nodes} nodes expecting "
-              f"{[n.num_ranks_expected for n in view.nodes if n]} ranks. From another terminal: "
-              f"kvfold status --address {cluster.address} --namespace {DEFAULT_NAMESPACE}",
-              flush=True)  # fmt: skip
+        print(
+            f"kvfold: up in {time.monotonic() - t0:.1f} s: {view.num_nodes} nodes expecting "
+            f"{[n.num_ranks_expected for n in view.nodes if n]} ranks. From another terminal: "
+            f"kvfold status --address {cluster.address} --namespace {DEFAULT_NAMESPACE}",
+            flush=True,
+        )
         print(f"kvfold: replaying {len(workload)} requests ...", flush=True)
         table = LiveTable()
         rec = replay(kv, workload, replay_cfg, on_sample=_progress_hook(table, None))
@@ -237,9 +245,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     ray.init(address=args.address or "auto", namespace=args.namespace, log_to_driver=False)
     try:
-        kv = launch(args.world_size, args.gpus_per_node, cache=_cache_config(args),
-                    host_num_blocks=args.host_blocks, namespace=args.namespace, detached=True,
-                    placement_timeout_s=args.timeout)  # fmt: skip
+        kv = launch(
+            args.world_size,
+            args.gpus_per_node,
+            cache=_cache_config(args),
+            host_num_blocks=args.host_blocks,
+            namespace=args.namespace,
+            detached=True,
+            placement_timeout_s=args.timeout,
+        )
     except KVFoldError as e:
         print(f"kvfold up: {e}", file=sys.stderr)
         return 2
@@ -260,8 +274,9 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvfold", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="kvfold", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="the whole system on an embedded local cluster")
@@ -277,8 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("trace")
     _add_cluster_args(r, blocks=4096, tpb=64, windows="full")
     r.add_argument("--time-scale", type=float, default=1.0, help="compress trace time by X")
-    r.add_argument("--policy", default="guaranteed_no_evict",
-                   choices=["guaranteed_no_evict", "max_utilization"])  # fmt: skip
+    r.add_argument(
+        "--policy",
+        default="guaranteed_no_evict",
+        choices=["guaranteed_no_evict", "max_utilization"],
+    )
     r.add_argument("--limit", type=int, default=None, help="first N requests only")
     r.add_argument("--decode-rate", type=float, default=40.0, help="tokens/s per sequence")
     r.add_argument("--out", default="kvfold-out")
@@ -288,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     _connect_args(u)
     _add_cluster_args(u, blocks=1024, tpb=16, windows="full")
     u.add_argument("--timeout", type=float, default=60.0, help="placement timeout (s)")
+    u.add_argument("--metrics-host", default="127.0.0.1", help="bind address for /metrics")
     u.set_defaults(fn=cmd_up)
 
     s = sub.add_parser("status", help="print one cluster view")

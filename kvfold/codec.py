@@ -45,6 +45,7 @@ MAX_WINDOWS = 16
 MAX_ADDED_IDS = 256
 MAX_SEQ_ID_CHARS = 128
 MAX_RANKS_PER_NODE = 1024
+MAX_REASONS = 64
 MAX_COUNT = 2**53  # counts and bytes: exact in a float64 exporter
 MAX_ID = 2**63 - 1  # incarnations and sequence numbers
 
@@ -70,11 +71,20 @@ _STATE_CODES = {s.value: s for s in SourceState}
 
 def _delta_rows(values: Mapping[Window, BlockDeltas]) -> list[list[Any]]:
     return [
-        [w, d.alloc_new_blocks, d.reused_blocks, d.onboarded_blocks, d.onboarded_bytes,
-         d.missed_blocks, d.gen_alloc_blocks, d.evicted_blocks, d.offloaded_blocks,
-         d.offloaded_bytes]
+        [
+            w,
+            d.alloc_new_blocks,
+            d.reused_blocks,
+            d.onboarded_blocks,
+            d.onboarded_bytes,
+            d.missed_blocks,
+            d.gen_alloc_blocks,
+            d.evicted_blocks,
+            d.offloaded_blocks,
+            d.offloaded_bytes,
+        ]
         for w, d in values.items()
-    ]  # fmt: skip
+    ]
 
 
 def _gauges(g: Mapping[Window, BlockGauges] | None) -> list[list[Any]] | None:
@@ -119,10 +129,15 @@ class NodeReport:
     incarnation: int
     seq: int
     util: NodeUtilization
+    refused: dict[str, int]  # rank reports the node refused, by reason (cumulative)
 
 
 def encode_node_report(
-    util: NodeUtilization, incarnation: int, seq: int, max_ids_per_rank: int = 32
+    util: NodeUtilization,
+    incarnation: int,
+    seq: int,
+    max_ids_per_rank: int = 32,
+    refused: Mapping[str, int] | None = None,
 ) -> bytes:
     ranks = [
         [
@@ -150,6 +165,7 @@ def encode_node_report(
             "d": _delta_rows(util.deltas.windows),
             "c": _delta_rows(util.counters.windows),
             "h": None if util.host is None else [getattr(util.host, f) for f in HOST_FIELDS],
+            "x": [[r, int(c)] for r, c in sorted((refused or {}).items())][:MAX_REASONS],
         }
     )
 
@@ -320,7 +336,7 @@ def _unpack(data: Any, kind: str, keys: frozenset[str]) -> dict[str, Any]:
 
 
 _RANK_KEYS = frozenset({"v", "t", "r", "i", "s", "g", "d", "q", "a"})
-_NODE_KEYS = frozenset({"v", "t", "n", "i", "s", "ranks", "g", "q", "d", "c", "h"})
+_NODE_KEYS = frozenset({"v", "t", "n", "i", "s", "ranks", "g", "q", "d", "c", "h", "x"})
 
 
 def _guard(fn: Callable[[], Any]) -> Any:
@@ -419,11 +435,18 @@ def decode_node_report(
             deltas=IterationStats(_deltas(msg["d"], "d", windows)),
             counters=IterationStats(_deltas(msg["c"], "c", windows)),
         )
+        refused: dict[str, int] = {}
+        for i, row in enumerate(_list(msg["x"], "x", MAX_REASONS)):
+            row = _list(row, f"x[{i}]", 2, exact=2)
+            if type(row[0]) is not str or len(row[0]) > 64:
+                raise _fail("bad_field", f"x[{i}] reason must be a str of at most 64 chars")
+            refused[row[0]] = _int(row[1], f"x[{i}] count")
         return NodeReport(
             node=node,
             incarnation=_int(msg["i"], "incarnation", MAX_ID),
             seq=_int(msg["s"], "seq", MAX_ID),
             util=util,
+            refused=refused,
         )
 
     return _guard(run)  # type: ignore[no-any-return]

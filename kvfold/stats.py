@@ -131,10 +131,16 @@ class BlockDeltas:
 
     def as_tuple(self) -> tuple[int, ...]:
         return (
-            self.alloc_new_blocks, self.reused_blocks, self.onboarded_blocks,
-            self.onboarded_bytes, self.missed_blocks, self.gen_alloc_blocks,
-            self.evicted_blocks, self.offloaded_blocks, self.offloaded_bytes,
-        )  # fmt: skip
+            self.alloc_new_blocks,
+            self.reused_blocks,
+            self.onboarded_blocks,
+            self.onboarded_bytes,
+            self.missed_blocks,
+            self.gen_alloc_blocks,
+            self.evicted_blocks,
+            self.offloaded_blocks,
+            self.offloaded_bytes,
+        )
 
     def is_zero(self) -> bool:
         return not any(self.as_tuple())
@@ -302,10 +308,17 @@ class HostStats:
 
     def as_tuple(self) -> tuple[int, ...]:
         return (
-            self.num_blocks_total, self.num_blocks_used, self.num_blocks_evictable,
-            self.offloaded_blocks, self.offloaded_bytes, self.onboarded_blocks,
-            self.onboarded_bytes, self.dropped_blocks, self.evicted_blocks, self.refused_blocks,
-        )  # fmt: skip
+            self.num_blocks_total,
+            self.num_blocks_used,
+            self.num_blocks_evictable,
+            self.offloaded_blocks,
+            self.offloaded_bytes,
+            self.onboarded_blocks,
+            self.onboarded_bytes,
+            self.dropped_blocks,
+            self.evicted_blocks,
+            self.refused_blocks,
+        )
 
 
 HOST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HostStats))

@@ -273,8 +273,9 @@ class AdmissionPolicy:
         if not fits.any():
             return Decision(Outcome.QUEUE, "insufficient_free_blocks", version, blocks=need)
         rank, by_prefix = self._choose(request, fits, room)
-        prompt = blocks_needed(request.prompt_tokens, 0, idx.windows, idx.tokens_per_block,
-                               Policy.GUARANTEED_NO_EVICT)  # fmt: skip
+        prompt = blocks_needed(
+            request.prompt_tokens, 0, idx.windows, idx.tokens_per_block, Policy.GUARANTEED_NO_EVICT
+        )
         res = Reservation(request.request_id, rank, need, now_s, prompt)
         self.reservations[request.request_id] = res
         self._add(res, +1)

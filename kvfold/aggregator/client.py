@@ -89,6 +89,15 @@ class KVFoldClient:
         """A rank's last summary and its node's state (drill-down), from the current view."""
         return self.view().rank_summary(rank)
 
+    def metrics_url(self) -> str | None:
+        """Where the aggregator serves Prometheus metrics (None when not enabled)."""
+        url: str | None = self._call("metrics_url")
+        return url
+
+    def report_admission(self, scheduler: str, counts: dict[str, int]) -> None:
+        """Publish a scheduler's cumulative admission decision counts ('outcome:reason')."""
+        self._call("report_admission", scheduler, counts)
+
     def counts(self) -> dict[str, Any]:
         counts: dict[str, Any] = self._call("counts")
         return counts

@@ -33,6 +33,8 @@ class ClusterAggregator:
         report_interval_s: float,
         stale_after_s: float,
         dead_after_s: float,
+        metrics_host: str = "127.0.0.1",
+        metrics_port: int | None = None,
     ) -> None:
         self.topology = Topology.from_mapping(rank_to_node)
         self.namespace = namespace
@@ -49,7 +51,51 @@ class ClusterAggregator:
         self._bytes = b""
         self._stop = threading.Event()
         self._last_probe_s = 0.0
+        self.admission: dict[str, dict[tuple[str, str], int]] = {}
+        self.metrics_address: tuple[str, int] | None = None
+        if metrics_port is not None:
+            self._serve_metrics(metrics_host, metrics_port)
         threading.Thread(target=self._tick_loop, daemon=True).start()
+
+    # ------------------------------------------------------------ Prometheus
+
+    def _serve_metrics(self, host: str, port: int) -> None:
+        from kvfold.metrics import ViewCollector, serve
+
+        def view() -> ClusterView:
+            with self.cond:
+                return self._refresh()
+
+        def refused() -> dict[tuple[str, str], int]:
+            with self.cond:
+                return self.state.refused_totals()
+
+        def admission() -> dict[tuple[str, str], int]:
+            with self.cond:
+                total: dict[tuple[str, str], int] = {}
+                for counts in self.admission.values():
+                    for k, v in counts.items():
+                        total[k] = total.get(k, 0) + v
+                return total
+
+        _, bound_host, bound_port = serve(ViewCollector(view, refused, admission), host, port)
+        self.metrics_address = (bound_host, bound_port)
+
+    def metrics_url(self) -> str | None:
+        if self.metrics_address is None:
+            return None
+        host, port = self.metrics_address
+        return f"http://{host}:{port}/metrics"
+
+    def report_admission(self, scheduler: str, counts: dict[str, int]) -> None:
+        """A scheduler's cumulative decision counts, keyed 'outcome:reason'."""
+        parsed: dict[tuple[str, str], int] = {}
+        for key, value in list(counts.items())[:256]:
+            outcome, _, reason = str(key).partition(":")
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                parsed[(outcome[:32], reason[:64])] = value
+        with self.cond:
+            self.admission[str(scheduler)[:128]] = parsed
 
     def ping(self) -> int:
         return self.state.version

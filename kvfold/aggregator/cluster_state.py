@@ -40,7 +40,9 @@ class ClusterState:
         self.freshness = FreshnessTracker(stale_after_s, dead_after_s)
         self.nodes: dict[int, NodeUtilization] = {}
         self.counters_base: dict[int, IterationStats] = {}
-        self.refused: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()  # node reports refused here
+        self.node_refused: dict[int, dict[str, int]] = {}  # rank reports refused at each node
+        self.node_refused_base: Counter[str] = Counter()  # from nodes' earlier incarnations
         self.num_accepted = 0
         self.version = version_base
         self._changed = True
@@ -62,10 +64,22 @@ class ClusterState:
             base = self.counters_base.get(report.node)
             maps = [old.counters.windows] + ([base.windows] if base else [])
             self.counters_base[report.node] = IterationStats(sum_deltas(maps))
+            self.node_refused_base.update(self.node_refused.get(report.node, {}))
+        self.node_refused[report.node] = dict(report.refused)
         self.nodes[report.node] = report.util
         self.num_accepted += 1
         self._changed = True
         return ACCEPTED
+
+    def refused_totals(self) -> dict[tuple[str, str], int]:
+        """Refused reports by (where, reason): 'aggregator' for node reports refused here,
+        'node' for rank reports refused at the nodes; cumulative, never backwards."""
+        nodes: Counter[str] = Counter(self.node_refused_base)
+        for counts in self.node_refused.values():
+            nodes.update(counts)
+        out = {("aggregator", r): c for r, c in self.refused.items()}
+        out.update({("node", r): c for r, c in nodes.items()})
+        return out
 
     def mark_dead(self, node: int) -> None:
         self.freshness.mark_dead(node)

@@ -137,7 +137,9 @@ class HostKVActor:
         with self.lock:
             util = self.state.fold(now, self._host_stats())
             self.seq += 1
-            data = encode_node_report(util, self.incarnation, self.seq)
+            data = encode_node_report(
+                util, self.incarnation, self.seq, refused=dict(self.state.refused)
+            )
         agg = self._aggregator_handle()
         if agg is None:
             self.pushes_failed += 1

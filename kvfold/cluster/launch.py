@@ -296,12 +296,16 @@ def launch(
     gpus_per_rank: float = 1.0,
     rank_max_restarts: int = -1,
     wait_fresh: bool = True,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
 ) -> KVFold:
     """Start kvfold on the Ray cluster at `address` (or the one this process is connected to).
 
     cache: every rank's KV cache (None: ranks start unbound and report no GPU stats).
     host_num_blocks: host-tier blocks per node (0 turns the tier off).
     stale_after_s / dead_after_s default to 3 and 30 report intervals.
+    metrics_port: serve Prometheus metrics from the aggregator (0: any free port;
+    None: off), bound to `metrics_host` (127.0.0.1 unless told otherwise).
     """
     if cache is None:
         cache = KVCacheConfig()
@@ -366,7 +370,14 @@ def launch(
                 max_task_retries=0,
                 max_concurrency=32,
             )
-            .remote(rank_to_node, windows, **common, **fresh)
+            .remote(
+                rank_to_node,
+                windows,
+                **common,
+                **fresh,
+                metrics_host=metrics_host,
+                metrics_port=metrics_port,
+            )
         )
         actors.append(aggregator)
         slot = max(cache.bytes_per_block(w) for w in cache.windows)

@@ -63,9 +63,11 @@ def replay(
 ) -> ReplayRecorder:
     rec = ReplayRecorder(num_requests=len(workload))
     controller = AdmissionController(
-        kv.client, policy=config.policy, watermark=config.watermark,
+        kv.client,
+        policy=config.policy,
+        watermark=config.watermark,
         refresh_interval_s=config.step_interval_s / 2,
-    )  # fmt: skip
+    )
     tpb = kv.settings.cache.tokens_per_block if kv.settings.cache else 16
     arrivals = sorted(workload, key=lambda r: r.arrival_s)
     by_id = {r.request_id: r for r in arrivals}
@@ -127,6 +129,7 @@ def replay(
             pending.push_front(by_id[str(sid)] for sid in res.refused)
         if wall - last_sample >= config.sample_interval_s:
             last_sample = wall
+            _publish_decisions(kv, controller)
             view = kv.view()
             rec.samples.append(sample_view(view, wall, trace_now, len(pending), len(in_flight)))
             if on_sample is not None:
@@ -140,6 +143,7 @@ def replay(
     for h in handles:
         h.engine_drain.remote()
     ray.get([h.report_now.remote() for h in handles])
+    _publish_decisions(kv, controller)
     time.sleep(3 * kv.settings.report_interval_s)  # let every node push what the ranks said
     final = kv.view()
     rec.finish(final, time.monotonic() - start)
@@ -147,3 +151,9 @@ def replay(
         sample_view(final, rec.wall_s, rec.wall_s * config.time_scale, len(pending), 0)
     )
     return rec
+
+
+def _publish_decisions(kv: KVFold, controller: AdmissionController) -> None:
+    """Hand the controller's cumulative decision counts to the aggregator's exporter."""
+    counts = {f"{o}:{r}": n for (o, r), n in controller.decisions.items()}
+    kv.client.report_admission("replay", counts)

@@ -145,9 +145,24 @@ class ReplayRecorder:
     def write_csv(self, path: str | Path) -> None:
         with open(path, "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
-            w.writerow(["wall_s", "trace_s", "version", "queued", "in_flight", "node", "state",
-                        "gpu_usage", "gpu_used", "gpu_total", "host_used", "host_total",
-                        "fresh_ranks", "running"])  # fmt: skip
+            w.writerow(
+                [
+                    "wall_s",
+                    "trace_s",
+                    "version",
+                    "queued",
+                    "in_flight",
+                    "node",
+                    "state",
+                    "gpu_usage",
+                    "gpu_used",
+                    "gpu_total",
+                    "host_used",
+                    "host_total",
+                    "fresh_ranks",
+                    "running",
+                ]
+            )
             for s in self.samples:
                 for n in s.nodes:
                     row = [f"{s.wall_s:.3f}", f"{s.trace_s:.3f}", s.version, s.queued, s.in_flight]

@@ -19,9 +19,15 @@ from tests.integration.conftest import wait_until
 pytestmark = pytest.mark.integration
 
 CACHE = KVCacheConfig(
-    tokens_per_block=4, num_blocks=64, windows=(None, 8), num_layers=2, num_kv_heads=2,
-    head_dim=8, dtype="float32", device="auto",
-)  # fmt: skip
+    tokens_per_block=4,
+    num_blocks=64,
+    windows=(None, 8),
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=8,
+    dtype="float32",
+    device="auto",
+)
 HOST_BLOCKS = 16
 
 
@@ -101,13 +107,23 @@ def test_second_driver_and_status_json(kv, local_cluster) -> None:  # type: igno
         "print(json.dumps([v.world_size, [n.num_ranks_expected for n in v.nodes],\n"
         "                  v.gpu_total.num_blocks_total, v.host.num_blocks_total]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [10, [4, 4, 2], 1280, 48]
 
-    cli = [sys.executable, "-m", "kvfold.cli", "status", "--json",
-           "--address", local_cluster.address, "--namespace", kv.namespace]  # fmt: skip
+    cli = [
+        sys.executable,
+        "-m",
+        "kvfold.cli",
+        "status",
+        "--json",
+        "--address",
+        local_cluster.address,
+        "--namespace",
+        kv.namespace,
+    ]
     out = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     status = json.loads(out.stdout)

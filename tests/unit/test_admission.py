@@ -41,7 +41,7 @@ def make_view(
             deltas={w: BlockDeltas() for w in windows},
             num_sequences_by_status=dict.fromkeys(SequenceStatus, 0),
             added_seq_ids=(added or {}).get(r, ()),
-        )  # fmt: skip
+        )
         for r in range(topo.world_size)
     }
     views = {

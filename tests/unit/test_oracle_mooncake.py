@@ -69,8 +69,16 @@ def test_first_500_requests_match_offline_lru_to_the_block() -> None:
 
     records = [json.loads(line) for line in TRACE.read_text().splitlines()[:500]]
     requests = load_mooncake(TRACE, limit=500)
-    cache = PagedKVCache(KVCacheConfig(tokens_per_block=B, num_blocks=CAPACITY, num_layers=1,
-                                       num_kv_heads=1, head_dim=1, device="cpu"))  # fmt: skip
+    cache = PagedKVCache(
+        KVCacheConfig(
+            tokens_per_block=B,
+            num_blocks=CAPACITY,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            device="cpu",
+        )
+    )
     oracle = OfflineLRU(CAPACITY)
     reused = missed = expected_reused = expected_missed = skipped = evicted = 0
     for rec, req in zip(records, requests, strict=True):

@@ -83,7 +83,7 @@ def test_bad_traces(tmp_path: Path) -> None:
     bad.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1]}\n')
     with pytest.raises(ValueError, match="needs 2 hash_ids"):
         load_trace(bad)
-    with pytest.raises(ValueError, match=".jsonl"):
+    with pytest.raises(ValueError, match=r"\.jsonl"):
         load_trace(bad.with_suffix(".txt").resolve().parent)
 
 
@@ -91,8 +91,10 @@ def test_recorder_writes_csv_and_png(tmp_path: Path) -> None:
     topo = Topology(4, 2)
     rec = ReplayRecorder(num_requests=3, admitted=3, completed=3)
     for i in range(3):
-        views = {n: fold_node(topo, n, {r: make_report(r, used=i + r) for r in topo.ranks_on(n)}, None, {})
-                 for n in range(2)}  # fmt: skip
+        views = {}
+        for n in range(2):
+            reports = {r: make_report(r, used=i + r) for r in topo.ranks_on(n)}
+            views[n] = fold_node(topo, n, reports, None, {})
         rec.samples.append(sample_view(fold_cluster(topo, views, version=i), i, 10.0 * i, 0, 1))
     rec.finish(fold_cluster(topo, views, version=9), 3.0)
     rec.write_csv(tmp_path / "s.csv")

@@ -1,0 +1,180 @@
+"""Prometheus exposition of the cluster view, served from one process (the aggregator).
+
+Every scrape reads the aggregator's current view, so no series is duplicated
+(one process, one registry) or lost (every node is exported whatever its state,
+with `kvfold_node_state` saying whether its numbers count). Counters are the
+view's cumulative counts, which never go backwards across rank or node-actor
+restarts; an aggregator restart is a counter reset, as Prometheus expects.
+
+    kvfold_gpu_blocks{node,window,state=used|cached|free}   gauge, last known per node
+    kvfold_gpu_capacity_blocks{node,window}                   gauge
+    kvfold_cluster_gpu_blocks{window,state}                   gauge, fresh capacity only
+    kvfold_host_blocks{node,state=used|evictable|free}        gauge
+    kvfold_sequences{node,status}                             gauge
+    kvfold_ranks{node,state=fresh|stale|dead|missing}         gauge
+    kvfold_node_state{node,state}                             gauge, 1 for the node's state
+    kvfold_node_report_age_seconds{node}                      gauge
+    kvfold_view_version                                       gauge
+    kvfold_blocks_total{node,window,kind}                     counter (alloc_new, reused, ...)
+    kvfold_bytes_total{node,window,kind=onboarded|offloaded}  counter
+    kvfold_host_blocks_total{node,kind}                       counter (offloaded, onboarded, ...)
+    kvfold_host_bytes_total{node,kind}                        counter
+    kvfold_reports_refused_total{source,reason}               counter
+    kvfold_admission_decisions_total{outcome,reason}          counter
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvfold.stats import SequenceStatus, window_label
+from kvfold.view import ClusterView, SourceState
+
+BLOCK_KINDS = ("alloc_new", "reused", "missed", "onboarded", "gen_alloc", "evicted", "offloaded")
+HOST_KINDS = ("offloaded", "onboarded", "dropped", "evicted", "refused")
+
+
+class ViewCollector(Collector):
+    """Builds every kvfold_* family from one view at scrape time."""
+
+    def __init__(
+        self,
+        view_source: Callable[[], ClusterView],
+        refused_source: Callable[[], Mapping[tuple[str, str], int]] = dict,
+        admission_source: Callable[[], Mapping[tuple[str, str], int]] = dict,
+    ) -> None:
+        self.view_source = view_source
+        self.refused_source = refused_source
+        self.admission_source = admission_source
+
+    def collect(self) -> Iterator[Metric]:
+        view = self.view_source()
+        gpu = GaugeMetricFamily(
+            "kvfold_gpu_blocks",
+            "GPU KV blocks of a node by window and state (last known; see kvfold_node_state)",
+            labels=["node", "window", "state"],
+        )
+        cap = GaugeMetricFamily(
+            "kvfold_gpu_capacity_blocks",
+            "GPU KV blocks of a node's ranks",
+            labels=["node", "window"],
+        )
+        host = GaugeMetricFamily(
+            "kvfold_host_blocks", "host-tier KV blocks by state", labels=["node", "state"]
+        )
+        seqs = GaugeMetricFamily(
+            "kvfold_sequences", "sequences by status", labels=["node", "status"]
+        )
+        ranks = GaugeMetricFamily("kvfold_ranks", "ranks by freshness", labels=["node", "state"])
+        nstate = GaugeMetricFamily(
+            "kvfold_node_state", "1 for the node's freshness state", labels=["node", "state"]
+        )
+        age = GaugeMetricFamily(
+            "kvfold_node_report_age_seconds",
+            "seconds since the node's last report",
+            labels=["node"],
+        )
+        blocks = CounterMetricFamily(
+            "kvfold_blocks", "KV block events by kind", labels=["node", "window", "kind"]
+        )
+        nbytes = CounterMetricFamily(
+            "kvfold_bytes", "KV bytes moved between tiers", labels=["node", "window", "kind"]
+        )
+        hblocks = CounterMetricFamily(
+            "kvfold_host_blocks", "host-tier block events", labels=["node", "kind"]
+        )
+        hbytes = CounterMetricFamily(
+            "kvfold_host_bytes", "host-tier bytes moved", labels=["node", "kind"]
+        )
+        for i, (n, s) in enumerate(zip(view.nodes, view.node_states, strict=True)):
+            node = str(i)
+            for st in SourceState:
+                nstate.add_metric([node, st.value], 1.0 if s is st else 0.0)
+            age.add_metric([node], view.node_age_s[i] if view.node_age_s else 0.0)
+            if n is None:
+                continue
+            for w, g in n.gpu.items():
+                wl = window_label(w)
+                gpu.add_metric([node, wl, "used"], g.num_blocks_used)
+                gpu.add_metric([node, wl, "cached"], g.num_blocks_cached)
+                gpu.add_metric([node, wl, "free"], g.num_blocks_free)
+                cap.add_metric([node, wl], g.num_blocks_total)
+            if n.host is not None:
+                h = n.host
+                host.add_metric([node, "used"], h.num_blocks_used)
+                host.add_metric([node, "evictable"], h.num_blocks_evictable)
+                host.add_metric([node, "free"], h.num_blocks_free)
+                for kind in HOST_KINDS:
+                    hblocks.add_metric([node, kind], getattr(h, f"{kind}_blocks"))
+                hbytes.add_metric([node, "offloaded"], h.offloaded_bytes)
+                hbytes.add_metric([node, "onboarded"], h.onboarded_bytes)
+            for status in SequenceStatus:
+                seqs.add_metric(
+                    [node, status.name.lower()], n.num_sequences_by_status.get(status, 0)
+                )
+            for st in SourceState:
+                ranks.add_metric([node, st.value], sum(1 for r in n.ranks if r.state is st))
+            for w, d in n.counters.windows.items():
+                wl = window_label(w)
+                for kind in BLOCK_KINDS:
+                    blocks.add_metric([node, wl, kind], getattr(d, f"{kind}_blocks"))
+                nbytes.add_metric([node, wl, "onboarded"], d.onboarded_bytes)
+                nbytes.add_metric([node, wl, "offloaded"], d.offloaded_bytes)
+        cluster = GaugeMetricFamily(
+            "kvfold_cluster_gpu_blocks",
+            "GPU KV blocks over fresh ranks",
+            labels=["window", "state"],
+        )
+        for w, g in view.gpu.items():
+            wl = window_label(w)
+            cluster.add_metric([wl, "used"], g.num_blocks_used)
+            cluster.add_metric([wl, "cached"], g.num_blocks_cached)
+            cluster.add_metric([wl, "free"], g.num_blocks_free)
+            cluster.add_metric([wl, "total"], g.num_blocks_total)
+        version = GaugeMetricFamily("kvfold_view_version", "version of the cluster view")
+        version.add_metric([], view.version)
+        refused = CounterMetricFamily(
+            "kvfold_reports_refused", "reports refused, by reason", labels=["source", "reason"]
+        )
+        for (source, reason), count in sorted(self.refused_source().items()):
+            refused.add_metric([source, reason], count)
+        decisions = CounterMetricFamily(
+            "kvfold_admission_decisions",
+            "admission decisions reported by schedulers",
+            labels=["outcome", "reason"],
+        )
+        for (outcome, reason), count in sorted(self.admission_source().items()):
+            decisions.add_metric([outcome, reason], count)
+        yield from (
+            gpu,
+            cap,
+            cluster,
+            host,
+            seqs,
+            ranks,
+            nstate,
+            age,
+            version,
+            blocks,
+            nbytes,
+            hblocks,
+            hbytes,
+            refused,
+            decisions,
+        )
+
+
+def serve(collector: Collector, host: str = "127.0.0.1", port: int = 0) -> tuple[Any, str, int]:
+    """Serve `collector` at http://host:port/metrics (port 0: any free port).
+
+    Binds 127.0.0.1 unless told otherwise. Returns (server, host, port).
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, host, int(server.server_port)
