@@ -328,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _ray_env(getattr(args, "address", None))  # before anything imports Ray
     code: int = args.fn(args)
     return code
 

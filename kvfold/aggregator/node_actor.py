@@ -78,13 +78,21 @@ class HostKVActor:
             return False
         return True
 
-    def host_put(self, geometry: Any, window: Window, key: bytes, payload: np.ndarray) -> bool:
-        """Offload one block. Refused (counted) when the rank's block layout is not the node's."""
-        if not self._check_geometry(geometry):
-            return False
+    def host_stats(self) -> HostStats | None:
         with self.lock:
-            return self.host.put(window, key, payload)
+            return self._host_stats()
 
+    @ray.method(concurrency_group="data")
+    def host_put_many(
+        self, geometry: Any, items: list[tuple[Window, bytes, np.ndarray]]
+    ) -> list[bool]:
+        """Offload blocks. All refused (counted) when the rank's block layout is not the node's."""
+        if not self._check_geometry(geometry):
+            return [False] * len(items)
+        with self.lock:
+            return [self.host.put(w, key, payload) for w, key, payload in items]
+
+    @ray.method(concurrency_group="data")
     def host_get(self, geometry: Any, window: Window, keys: list[bytes]) -> list[np.ndarray]:
         """Onboard: the bytes of the leading keys the tier holds."""
         if not self._check_geometry(geometry):
@@ -95,6 +103,7 @@ class HostKVActor:
         with self.lock:
             return self.host.get(window, keys)
 
+    @ray.method(concurrency_group="data")
     def host_lookup(self, window: Window, keys: list[bytes]) -> int:
         with self.lock:
             return self.host.lookup(window, keys)

@@ -385,7 +385,7 @@ def launch(
         nodes = []
         for node, nid in enumerate(node_ids):
             h = (
-                ray.remote(HostKVActor)
+                ray.remote(concurrency_groups={"data": 4})(HostKVActor)  # data never delays reports
                 .options(
                     name=node_actor_name(node),
                     namespace=ns,

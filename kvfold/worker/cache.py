@@ -19,7 +19,7 @@ lack of room returns False. Counters are interval deltas handed out by
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,8 +52,10 @@ class HostTier(Protocol):
         """Payloads of the leading keys the tier holds, in order; stops at the first miss."""
         ...
 
-    def offload(self, window: Window, key: bytes, payload: np.ndarray) -> bool:
-        """Offer one evicted block; True if it was sent (the tier may still drop it)."""
+    def offload_many(self, items: list[tuple[Window, bytes, np.ndarray]]) -> list[bool] | None:
+        """Offer evicted blocks (window, key, bytes), in one go. A list: whether each was
+        stored (False: tier off, full, already held); None: sent, answers pending: the
+        tier calls `PagedKVCache.record_offload` for each block the host stored."""
         ...
 
 
@@ -124,6 +126,7 @@ class PagedKVCache:
         self._released_refs = dict.fromkeys(self.windows, 0)  # cumulative, for integrity
         self._evicted_committed = dict.fromkeys(self.windows, 0)
         self.host_tier: HostTier | None = None
+        self._offload_buffer: list[tuple[Window, bytes, np.ndarray]] = []
         self.set_host_tier(host_tier)
 
     # ----------------------------------------------------------------- host tier
@@ -135,18 +138,32 @@ class PagedKVCache:
         for w, pool in self.pools.items():
             pool.evict_listener = None if host_tier is None else self._offloader(w)
 
-    def _offloader(self, window: Window):  # type: ignore[no-untyped-def]
+    def _offloader(self, window: Window) -> Callable[[int, bytes], None]:
+        """Copy an evicted block's bytes out before its block is reused; sent in one
+        batch when the operation that evicted it ends (`_flush_offloads`)."""
+
         def offload(block: int, key: bytes) -> None:
-            tier = self.host_tier
-            if tier is None:
-                return
-            payload = self.storage.read_block(window, block)
-            if tier.offload(window, key, payload):
-                c = self._pending[window]
-                c.offloaded_blocks += 1
-                c.offloaded_bytes += int(payload.nbytes)
+            if self.host_tier is not None:
+                self._offload_buffer.append((window, key, self.storage.read_block(window, block)))
 
         return offload
+
+    def _flush_offloads(self) -> None:
+        items, self._offload_buffer = self._offload_buffer, []
+        if not items or self.host_tier is None:
+            return
+        stored = self.host_tier.offload_many(items)
+        if stored is not None:
+            for (window, _, payload), ok in zip(items, stored, strict=True):
+                if ok:
+                    self.record_offload(window, int(payload.nbytes))
+
+    def record_offload(self, window: Window, nbytes: int, num_blocks: int = 1) -> None:
+        """Count blocks the host tier confirmed it stored (for tiers that answer later)."""
+        self._check_window(window)
+        c = self._pending[window]
+        c.offloaded_blocks += num_blocks
+        c.offloaded_bytes += nbytes
 
     # ----------------------------------------------------------------- sequences
 
@@ -222,6 +239,7 @@ class PagedKVCache:
             self._status_counts[SequenceStatus.QUEUEING] -= 1
         self._seqs[seq_id] = seq
         self._status_counts[SequenceStatus.IN_PREFILL] += 1
+        self._flush_offloads()
         return True
 
     def _onboard(
@@ -300,6 +318,7 @@ class PagedKVCache:
             c.alloc_new_blocks += num_new
             c.gen_alloc_blocks += num_new
         seq.num_tokens = L1
+        self._flush_offloads()
         return True
 
     def set_status(self, seq_id: SeqId, status: SequenceStatus) -> None:

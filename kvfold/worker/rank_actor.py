@@ -45,7 +45,9 @@ class NodeHostTier:
     def __init__(self, worker: RankWorker) -> None:
         self.worker = worker
         self.fetch_failures = 0
-        self.offload_failures = 0
+        self.offload_failures = 0  # the node actor was down: the block is lost to the tier
+        self.offload_refused = 0  # the host did not store it (held already, tier off, too big)
+        self._pending: list[tuple[Any, list[tuple[Window, int]]]] = []  # (ref, [(window, nbytes)])
 
     def fetch(self, window: Window, keys: Sequence[bytes]) -> list[np.ndarray]:
         node = self.worker.node_handle()
@@ -62,14 +64,39 @@ class NodeHostTier:
             return []
         return payloads
 
-    def offload(self, window: Window, key: bytes, payload: np.ndarray) -> bool:
+    def offload_many(self, items: list[tuple[Window, bytes, np.ndarray]]) -> list[bool] | None:
         node = self.worker.node_handle()
         if node is None:
-            self.offload_failures += 1
-            return False
-        # fire and forget: the engine's step never waits on the host's answer
-        node.host_put.remote(self.worker.geometry, window, key, payload)
-        return True
+            self.offload_failures += len(items)
+            return [False] * len(items)
+        # the engine's step never waits on the host's answer: settle() counts it later
+        ref = node.host_put_many.remote(self.worker.geometry, items)
+        self._pending.append((ref, [(w, int(p.nbytes)) for w, _, p in items]))
+        return None
+
+    def settle(self, cache: PagedKVCache) -> None:
+        """Count the offloads the host has answered since the last call (no waiting)."""
+        if not self._pending:
+            return
+        refs = [p[0] for p in self._pending]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = set(ready)
+        keep = []
+        for ref, blocks in self._pending:
+            if ref not in done:
+                keep.append((ref, blocks))
+                continue
+            try:
+                stored: list[bool] = ray.get(ref)
+            except RayActorError:
+                self.offload_failures += len(blocks)
+                continue
+            for (window, nbytes), ok in zip(blocks, stored, strict=True):
+                if ok:
+                    cache.record_offload(window, nbytes)
+                else:
+                    self.offload_refused += 1
+        self._pending = keep
 
 
 class RankWorker:
@@ -132,6 +159,8 @@ class RankWorker:
             "reports_sent": self.reports_sent,
             "reports_failed": self.reports_failed,
             "host_fetch_failures": self.host.fetch_failures if self.host else 0,
+            "host_offload_failures": self.host.offload_failures if self.host else 0,
+            "host_offload_refused": self.host.offload_refused if self.host else 0,
         }
 
     def ping(self) -> int:
@@ -243,6 +272,8 @@ class RankWorker:
     def _build_report(self) -> RankReport:
         with self.lock:
             if self.cache is not None:
+                if self.host is not None:
+                    self.host.settle(self.cache)
                 it = self.cache.commit_iteration()
                 self._unreported = sum_deltas([self._unreported, it.windows])
                 stats = self.cache.stats()
