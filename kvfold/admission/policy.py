@@ -185,6 +185,8 @@ class AdmissionPolicy:
         self.index: CapacityIndex | None = None
         self.reservations: dict[str, Reservation] = {}
         self.reserved: IntArray = np.zeros((0, 0), dtype=np.int64)
+        self._room: IntArray = np.zeros((0, 0), dtype=np.int64)
+        self._capacity: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._key_to_rank: OrderedDict[bytes, int] = OrderedDict()
         self._affinity_keys = affinity_keys
         self.released_by_report = 0
@@ -198,15 +200,16 @@ class AdmissionPolicy:
             self.expire(now_s)
             return
         old = self.index
-        self.index = CapacityIndex(view)
-        if (
-            old is None
-            or old.windows != self.index.windows
-            or old.world_size != self.index.world_size
-        ):
-            self.reserved = np.zeros_like(self.index.free)
+        self.index = idx = CapacityIndex(view)
+        # fresh ranks' capacity less the watermark; -1 for ranks that are not candidates
+        self._capacity = np.where(idx.fresh, idx.total - self.watermark, -1)
+        if old is None or old.windows != idx.windows or old.world_size != idx.world_size:
+            self.reserved = np.zeros_like(idx.free)
+            self._room = idx.free - self.watermark
             for res in self.reservations.values():
                 self._add(res, +1)
+        else:
+            self._room = idx.free - self.reserved - self.watermark
         for res in list(self.reservations.values()):
             if not res.accounted and res.request_id in self.index.added.get(res.rank, ()):
                 # the view now counts the prompt's blocks; keep only the growth still to come
@@ -230,7 +233,9 @@ class AdmissionPolicy:
         assert self.index is not None
         for w, n in res.blocks.items():
             if w in self.index.windows:
-                self.reserved[self.index.windows.index(w), res.rank] += sign * n
+                i = self.index.windows.index(w)
+                self.reserved[i, res.rank] += sign * n
+                self._room[i, res.rank] -= sign * n
 
     def _drop(self, request_id: str) -> None:
         res = self.reservations.pop(request_id)
@@ -246,9 +251,9 @@ class AdmissionPolicy:
     # ---------------------------------------------------------------- decisions
 
     def room(self) -> IntArray:
-        """Blocks that could still be promised, per window and rank (negative: none)."""
-        assert self.index is not None
-        return self.index.free - self.reserved - self.watermark
+        """Blocks that could still be promised, per window and rank (negative: none).
+        Kept up to date as reservations change: free - reserved - watermark."""
+        return self._room
 
     def decide(self, request: AdmissionRequest, now_s: float) -> Decision:
         idx = self.index
@@ -265,11 +270,11 @@ class AdmissionPolicy:
             self.policy,
         )
         need_col = np.asarray([need[w] for w in idx.windows], dtype=np.int64)[:, None]
-        could = idx.fresh & (idx.total - self.watermark >= need_col).all(axis=0)
+        could: npt.NDArray[np.bool_] = np.all(self._capacity >= need_col, axis=0)
         if not could.any():
             return Decision(Outcome.REJECT, "exceeds_rank_capacity", version, blocks=need)
-        room = self.room()
-        fits = could & (room >= need_col).all(axis=0)
+        room = self._room
+        fits: npt.NDArray[np.bool_] = could & np.all(room >= need_col, axis=0)
         if not fits.any():
             return Decision(Outcome.QUEUE, "insufficient_free_blocks", version, blocks=need)
         rank, by_prefix = self._choose(request, fits, room)

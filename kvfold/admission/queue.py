@@ -10,7 +10,7 @@ a stream of small ones, at the price of some utilization while the head waits
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 from kvfold.admission.policy import AdmissionRequest, Decision, Outcome
@@ -25,6 +25,9 @@ class FifoAdmissionQueue(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._items)
 
     def push(self, item: T) -> None:
         self._items.append(item)

@@ -50,6 +50,15 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def unpack_blocks(packed: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
+    """Split a packed buffer back into per-block views (no copy)."""
+    out, start = [], 0
+    for n in lengths:
+        out.append(packed[start : start + n])
+        start += n
+    return out
+
+
 class HostKVPool:
     def __init__(self, num_blocks: int, slot_nbytes: int, pin_memory: bool | None = None) -> None:
         for name, v in (("num_blocks", num_blocks), ("slot_nbytes", slot_nbytes)):
@@ -133,17 +142,29 @@ class HostKVPool:
 
     def get(self, window: Window, keys: Sequence[bytes]) -> list[np.ndarray]:
         """Copies of the leading held blocks (stops at the first miss); counts an onboard."""
-        out: list[np.ndarray] = []
+        packed, lengths = self.get_packed(window, keys)
+        return unpack_blocks(packed, lengths)
+
+    def get_packed(self, window: Window, keys: Sequence[bytes]) -> tuple[np.ndarray, list[int]]:
+        """`get` as one contiguous copy plus each block's length (one buffer to send)."""
+        entries: list[_Entry] = []
         for k in keys:
             entry = self._entries.get((window, k))
             if entry is None:
                 break
             self._entries.move_to_end((window, k))
             entry.onboarded = True
-            out.append(self.storage[entry.slot, : entry.nbytes].copy())
-            self.onboarded_blocks += 1
-            self.onboarded_bytes += entry.nbytes
-        return out
+            entries.append(entry)
+        lengths = [e.nbytes for e in entries]
+        if entries and all(n == self.slot_nbytes for n in lengths):
+            packed = self.storage[[e.slot for e in entries]].reshape(-1)  # one gather copy
+        else:
+            packed = np.concatenate(
+                [self.storage[e.slot, : e.nbytes] for e in entries] or [np.zeros(0, dtype=np.uint8)]
+            )
+        self.onboarded_blocks += len(entries)
+        self.onboarded_bytes += sum(lengths)
+        return packed, lengths
 
     def clear(self) -> None:
         """Drop everything (counted as dropped when never onboarded)."""

@@ -93,20 +93,36 @@ class HostKVActor:
             return [self.host.put(w, key, payload) for w, key, payload in items]
 
     @ray.method(concurrency_group="data")
-    def host_get(self, geometry: Any, window: Window, keys: list[bytes]) -> list[np.ndarray]:
-        """Onboard: the bytes of the leading keys the tier holds."""
+    def host_get(
+        self, geometry: Any, window: Window, keys: list[bytes]
+    ) -> tuple[np.ndarray, list[int]]:
+        """Onboard: the bytes of the leading keys the tier holds, packed in one buffer."""
         if not self._check_geometry(geometry):
             raise ValueError(
                 f"node {self.node}: block layout {tuple(geometry)!r} does not match the host "
                 f"tier's {self.geometry!r}; refusing to onboard"
             )
         with self.lock:
-            return self.host.get(window, keys)
+            return self.host.get_packed(window, keys)
 
     @ray.method(concurrency_group="data")
     def host_lookup(self, window: Window, keys: list[bytes]) -> int:
         with self.lock:
             return self.host.lookup(window, keys)
+
+    # ------------------------------------------------------------ transfer self-test
+
+    @ray.method(concurrency_group="data")
+    def sink(self, data: np.ndarray) -> int:
+        """Receive a plain array (the baseline a rank compares its offload path with)."""
+        return int(data.nbytes)
+
+    @ray.method(concurrency_group="data")
+    def source(self, nbytes: int) -> np.ndarray:
+        """Send a plain array of `nbytes` (the baseline for onboarding)."""
+        if not 0 < nbytes <= 1 << 30:
+            raise ValueError(f"nbytes must be in (0, 1 GiB], got {nbytes}")
+        return np.ones(nbytes, dtype=np.uint8)
 
     # ------------------------------------------------------------ queries
 

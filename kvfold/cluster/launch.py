@@ -384,8 +384,9 @@ def launch(
         geometry = cache.block_geometry()
         nodes = []
         for node, nid in enumerate(node_ids):
+            # offload/onboard run in their own concurrency group so they never delay reports
             h = (
-                ray.remote(concurrency_groups={"data": 4})(HostKVActor)  # data never delays reports
+                ray.remote(concurrency_groups={"data": 4})(HostKVActor)  # type: ignore[call-overload]
                 .options(
                     name=node_actor_name(node),
                     namespace=ns,

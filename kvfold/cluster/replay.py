@@ -97,9 +97,6 @@ def replay(
             rec.decisions[f"{d.outcome.value}:{d.reason}"] += 1
             if d.outcome is Outcome.QUEUE:
                 rec.queue_decisions += 1
-                if req.request_id not in queued_once:
-                    queued_once.add(req.request_id)
-                    rec.ever_queued += 1
                 continue
             if d.outcome is Outcome.REJECT:
                 rec.rejected += 1
@@ -111,6 +108,10 @@ def replay(
                 (req.request_id, req.prompt, req.max_new_tokens, None)
             )
             in_flight[req.request_id] = d.rank
+        for req in pending:  # everything still waiting after the pass has been queued
+            if req.request_id not in queued_once:
+                queued_once.add(req.request_id)
+                rec.ever_queued += 1
         decode = max(1, round(config.decode_tokens_per_s * (trace_now - last_trace)))
         last_trace = trace_now
         refs = [h.engine_step.remote(admits.get(r, []), decode) for r, h in enumerate(handles)]

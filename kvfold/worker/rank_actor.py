@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from kvfold.aggregator.host_kv import unpack_blocks
 from kvfold.codec import encode_rank_report
 from kvfold.naming import node_actor_name
 from kvfold.stats import (
@@ -55,14 +57,14 @@ class NodeHostTier:
             self.fetch_failures += 1
             return []
         try:
-            payloads: list[np.ndarray] = ray.get(
+            packed, lengths = ray.get(
                 node.host_get.remote(self.worker.geometry, window, list(keys)),
                 timeout=HOST_TIMEOUT_S,
             )
         except (RayActorError, GetTimeoutError):
             self.fetch_failures += 1
             return []
-        return payloads
+        return unpack_blocks(packed, lengths)
 
     def offload_many(self, items: list[tuple[Window, bytes, np.ndarray]]) -> list[bool] | None:
         node = self.worker.node_handle()
@@ -266,6 +268,48 @@ class RankWorker:
             if self.engine is not None:
                 self.engine.drain()
         self._wake.set()
+
+    def measure_host_transfer(
+        self, num_blocks: int = 64, repeats: int = 5
+    ) -> dict[str, list[float]]:
+        """Time offload and onboard of `num_blocks` blocks of this rank's size to its node's
+        host tier, and the same bytes as one plain numpy array through Ray's object store
+        between the same two actors. Seconds per transfer, one entry per repeat."""
+        node = self.node_handle()
+        if node is None or self.cache is None:
+            raise ValueError(f"rank {self.rank}: needs a bound cache and a reachable node actor")
+        window = self.cache.windows[0]
+        nbytes = self.cache.storage.block_nbytes(window)
+        payload = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        out: dict[str, list[float]] = {
+            "offload": [],
+            "onboard": [],
+            "plain_put": [],
+            "plain_get": [],
+        }
+        for rep in range(repeats):
+            keys = [secrets.token_bytes(32) for _ in range(num_blocks)]
+            items = [(window, k, payload) for k in keys]
+            t0 = time.perf_counter()
+            stored = ray.get(node.host_put_many.remote(self.geometry, items))
+            out["offload"].append(time.perf_counter() - t0)
+            if not all(stored):
+                raise ValueError(f"host tier stored {sum(stored)} of {num_blocks} blocks")
+            t0 = time.perf_counter()
+            packed, lengths = ray.get(node.host_get.remote(self.geometry, window, keys))
+            got = unpack_blocks(packed, lengths)
+            out["onboard"].append(time.perf_counter() - t0)
+            if len(got) != num_blocks or got[0].tobytes() != payload.tobytes():
+                raise ValueError("onboarded bytes differ from offloaded bytes")
+            arr = np.tile(payload, num_blocks)
+            t0 = time.perf_counter()
+            ray.get(node.sink.remote(ray.put(arr)))
+            out["plain_put"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            back = ray.get(node.source.remote(arr.nbytes))
+            out["plain_get"].append(time.perf_counter() - t0)
+            del back, rep
+        return out
 
     # ------------------------------------------------------------ reports
 

@@ -16,7 +16,7 @@ from kvfold.view import ClusterView, SourceState
 class NodeSample:
     node: int
     state: str
-    gpu_usage: float  # 0.0-1.0 over fresh ranks
+    gpu_usage: float  # 0.0-1.0 over fresh ranks; NaN when the node is not fresh (unknown)
     gpu_used: int
     gpu_total: int
     host_used: int
@@ -50,7 +50,7 @@ def sample_view(
             NodeSample(
                 node=i,
                 state=s.value,
-                gpu_usage=g.usage if fresh else 0.0,
+                gpu_usage=g.usage if fresh else float("nan"),
                 gpu_used=g.num_blocks_used,
                 gpu_total=g.num_blocks_total,
                 host_used=h.num_blocks_used if h else 0,
@@ -103,7 +103,10 @@ class ReplayRecorder:
 
     def summary(self) -> dict[str, Any]:
         d = self.queue_delays_s
-        peak = [max((n.gpu_usage for n in s.nodes), default=0.0) for s in self.samples]
+        peak = [
+            max((n.gpu_usage for n in s.nodes if n.gpu_usage == n.gpu_usage), default=0.0)
+            for s in self.samples
+        ]
         return {
             "requests": self.num_requests,
             "admitted": self.admitted,
@@ -181,11 +184,11 @@ class ReplayRecorder:
         t = [s.trace_s for s in self.samples]
         for node in nodes:
             mine = [next((n for n in s.nodes if n.node == node), None) for s in self.samples]
-            gpu = [100 * n.gpu_usage if n else 0.0 for n in mine]
+            gpu = [100 * n.gpu_usage if n else float("nan") for n in mine]  # gaps: not fresh
             host = [100 * n.host_used / n.host_total if n and n.host_total else 0.0 for n in mine]
             ax1.plot(t, gpu, label=f"node {node}")
             ax2.plot(t, host, label=f"node {node}")
-        ax1.set_ylabel("GPU KV used %")
+        ax1.set_ylabel("GPU KV used %\n(gaps: node not fresh)")
         ax2.set_ylabel("host KV used %")
         ax2.set_xlabel("trace time (s)")
         ax1.set_ylim(0, 105)

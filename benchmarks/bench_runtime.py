@@ -1,0 +1,107 @@
+"""The Ray runtime at the demo's shape (3 nodes x 4 GPUs, world 10):
+launch time; view() round trip beside a no-op call to a trivial actor (same run);
+change-to-visible latency from a rank's change to a ClusterView that holds it."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _report import info, percentile, report
+
+from kvfold.ray_env import apply_local_defaults
+
+apply_local_defaults()
+
+import ray
+
+from kvfold.cluster import launch, start_local_cluster
+from kvfold.worker import KVCacheConfig
+
+
+class Trivial:
+    def noop(self) -> None:
+        return None
+
+
+def round_trips(call, n: int) -> list[float]:  # type: ignore[no-untyped-def]
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    t0 = time.perf_counter()
+    cluster = start_local_cluster(3, 4)
+    t_cluster = time.perf_counter() - t0
+    try:
+        t1 = time.perf_counter()
+        kv = launch(
+            10, 4, cache=KVCacheConfig(tokens_per_block=16, num_blocks=512), host_num_blocks=512
+        )
+        t_launch = time.perf_counter() - t1
+        info("start the embedded cluster (3 nodes)", t_cluster, "s")
+        info("launch world 10 until every rank is fresh", t_launch, "s")
+        interval = kv.settings.report_interval_s
+
+        trivial = ray.remote(Trivial).options(num_cpus=0).remote()
+        ray.get(trivial.noop.remote())
+        client = kv.client
+        for _ in range(200):  # warm both paths
+            ray.get(trivial.noop.remote())
+            client.view()
+        noop = round_trips(lambda: ray.get(trivial.noop.remote()), 2000)
+        views = round_trips(client.view, 2000)
+        m_noop, m_view = statistics.median(noop), statistics.median(views)
+        info("no-op actor call, median", m_noop * 1e3, "ms")
+        info("no-op actor call, p99", percentile(noop, 0.99) * 1e3, "ms")
+        info("view() round trip, p99", percentile(views, 0.99) * 1e3, "ms")
+        report(
+            "view() round trip, median (target 1.5x the no-op call)",
+            m_view * 1e3,
+            "ms",
+            1.5 * m_noop * 1e3,
+        )
+
+        for label, eager in (
+            ("default interval, no push", False),
+            ("push right after change", True),
+        ):
+            lat = []
+            rank = kv.rank(5)
+            for i in range(40):
+                v0 = kv.view().version
+                tokens = list(range(i * 100_000, i * 100_000 + 16 * (1 + i % 4)))
+                t = time.perf_counter()
+                rank.add_sequence(f"lat{i}", tokens, report=eager)
+                want = 1 + i % 4
+                while True:
+                    v = client.wait_for_version(v0, timeout_s=2.0) or client.view()
+                    v0 = v.version
+                    s = v.rank_summary(5)
+                    if s and s[0].gpu and s[0].gpu[None].num_blocks_used == want:
+                        break
+                lat.append(time.perf_counter() - t)
+                rank.free_sequence(f"lat{i}", report=True)
+                time.sleep(0.05)
+            info(f"change to visible ({label}), median", statistics.median(lat) * 1e3, "ms")
+            report(
+                f"change to visible ({label}), p99",
+                percentile(lat, 0.99) * 1e3,
+                "ms",
+                2 * interval * 1e3,
+            )
+        kv.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
