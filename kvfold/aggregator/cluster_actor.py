@@ -8,6 +8,7 @@ changes (a node going stale) even when no report arrives.
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from kvfold.aggregator.cluster_state import ACCEPTED, ClusterState
+from kvfold.aggregator.cluster_state import ACCEPTED, NEW, ClusterState
 from kvfold.naming import node_actor_name
 from kvfold.stats import Window
 from kvfold.topology import Topology
@@ -104,11 +105,28 @@ class ClusterAggregator:
         return self.topology.as_list()
 
     def node_report(self, data: bytes) -> str:
+        """A node's report: "accepted", or the reason it was refused (counted)."""
         with self.cond:
-            verdict = self.state.receive(data, time.monotonic())
+            report, verdict = self.state.check(data)
+        if report is None:
+            return verdict
+        if verdict == NEW and not self._verify_node(report.node, report.incarnation):
+            with self.cond:
+                return self.state.refuse("identity_mismatch")
+        with self.cond:
+            verdict = self.state.apply(report, time.monotonic())
             if verdict == ACCEPTED:
                 self._refresh()
         return verdict
+
+    def _verify_node(self, node: int, incarnation: int) -> bool:
+        """Ask the named node actor itself whether it is in that incarnation."""
+        try:
+            handle = ray.get_actor(node_actor_name(node), namespace=self.namespace)
+            answer: Any = ray.get(handle.ping.remote(), timeout=2.0)
+            return answer == incarnation
+        except (ValueError, RayActorError, GetTimeoutError):
+            return False
 
     def _refresh(self) -> ClusterView:
         """Rebuild the view if anything changed; wake waiters on a new version. Holds cond."""
@@ -145,9 +163,15 @@ class ClusterAggregator:
                 self.cond.wait(min(left, self.report_interval_s))
             return self._view_bytes()
 
+    def memory_rss_bytes(self) -> int:
+        """Resident memory of this process (for soak tests and operators)."""
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
     def counts(self) -> dict[str, Any]:
         with self.cond:
             return {
+                "received": self.state.num_accepted + sum(self.state.refused.values()),
                 "accepted": self.state.num_accepted,
                 "refused": dict(self.state.refused),
                 "version": self.state.version,

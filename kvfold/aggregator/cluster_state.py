@@ -13,17 +13,18 @@ life are kept in a base, so the cluster's counters never go backwards.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from kvfold.aggregator.fold import fold_cluster
 from kvfold.aggregator.freshness import FreshnessTracker, Verdict
-from kvfold.codec import decode_node_report
+from kvfold.codec import NodeReport, decode_node_report
 from kvfold.errors import ReportError
 from kvfold.stats import IterationStats, Window, sum_deltas
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, NodeUtilization, SourceState
 
 ACCEPTED = "accepted"
+NEW = Verdict.NEW_INCARNATION.value
 
 
 class ClusterState:
@@ -49,16 +50,33 @@ class ClusterState:
         self._states: tuple[SourceState, ...] = ()
         self._view: ClusterView | None = None
 
-    def receive(self, data: bytes, now_s: float) -> str:
+    def receive(
+        self, data: bytes, now_s: float, verify: Callable[[int, int], bool] | None = None
+    ) -> str:
+        """Take one node report: "accepted" or why it was refused (counted).
+        verify(node, incarnation) is asked before a new incarnation is believed."""
+        report, verdict = self.check(data)
+        if report is None:
+            return verdict
+        if verdict == NEW and verify is not None and not verify(report.node, report.incarnation):
+            return self.refuse("identity_mismatch")
+        return self.apply(report, now_s)
+
+    def refuse(self, reason: str) -> str:
+        self.refused[reason] += 1
+        return reason
+
+    def check(self, data: bytes) -> tuple[NodeReport | None, str]:
         try:
             report = decode_node_report(data, self.topology, self.windows)
         except ReportError as e:
-            self.refused[e.reason] += 1
-            return e.reason
+            return None, self.refuse(e.reason)
+        return report, self.freshness.check(report.node, report.incarnation, report.seq).value
+
+    def apply(self, report: NodeReport, now_s: float) -> str:
         verdict = self.freshness.observe(report.node, report.incarnation, report.seq, now_s)
         if not verdict.accepted:
-            self.refused[verdict.value] += 1
-            return verdict.value
+            return self.refuse(verdict.value)
         old = self.nodes.get(report.node)
         if verdict is Verdict.NEW_INCARNATION and old is not None:
             base = self.counters_base.get(report.node)

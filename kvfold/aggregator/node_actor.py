@@ -19,7 +19,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from kvfold.aggregator.host_kv import HostKVPool
-from kvfold.aggregator.node_state import ACCEPTED, NodeState
+from kvfold.aggregator.node_state import ACCEPTED, NEW, NodeState
 from kvfold.codec import encode_node_report
 from kvfold.naming import AGGREGATOR_NAME, rank_actor_name
 from kvfold.stats import HostStats, Window
@@ -27,6 +27,7 @@ from kvfold.topology import Topology
 from kvfold.view import NodeUtilization, SourceState
 
 ACK_TIMEOUT_S = 2.0
+VERIFY_TIMEOUT_S = 2.0
 MIN_PUSH_GAP_S = 0.005  # coalesce bursts of rank reports into one node report
 
 
@@ -57,6 +58,7 @@ class HostKVActor:
         self.seq = 0
         self.lock = threading.Lock()
         self.pushes_failed = 0
+        self.pushes_acked = 0
         self._aggregator: Any = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -66,11 +68,28 @@ class HostKVActor:
     # ------------------------------------------------------------ from ranks
 
     def report(self, data: bytes) -> str:
+        """A rank's report: "accepted", or the reason it was refused (counted)."""
         with self.lock:
-            verdict = self.state.receive(data, time.monotonic())
+            report, verdict = self.state.check(data)
+        if report is None:
+            return verdict
+        if verdict == NEW and not self._verify_rank(report.rank, report.incarnation):
+            with self.lock:
+                return self.state.refuse("identity_mismatch")
+        with self.lock:
+            verdict = self.state.apply(report, time.monotonic())
         if verdict == ACCEPTED:
             self._wake.set()
         return verdict
+
+    def _verify_rank(self, rank: int, incarnation: int) -> bool:
+        """Ask the named rank actor itself whether it is in that incarnation."""
+        try:
+            handle = ray.get_actor(rank_actor_name(rank), namespace=self.namespace)
+            answer: Any = ray.get(handle.ping.remote(), timeout=VERIFY_TIMEOUT_S)
+            return answer == incarnation
+        except (ValueError, RayActorError, GetTimeoutError):
+            return False
 
     def _check_geometry(self, geometry: Any) -> bool:
         if self.geometry and tuple(geometry) != self.geometry:
@@ -136,9 +155,11 @@ class HostKVActor:
     def counts(self) -> dict[str, Any]:
         with self.lock:
             return {
+                "received": self.state.num_received,
                 "accepted": self.state.num_accepted,
                 "refused": dict(self.state.refused),
                 "pushes": self.seq,
+                "pushes_acked": self.pushes_acked,
                 "pushes_failed": self.pushes_failed,
                 "host_refused_geometry": self.host_refused_geometry,
                 "ray_node_id": ray.get_runtime_context().get_node_id(),
@@ -171,6 +192,7 @@ class HostKVActor:
             return
         try:
             ray.get(agg.node_report.remote(data), timeout=ACK_TIMEOUT_S)
+            self.pushes_acked += 1
         except (RayActorError, GetTimeoutError):
             self.pushes_failed += 1
         self._probe_silent_ranks(util, now)

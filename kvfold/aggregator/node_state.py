@@ -11,10 +11,10 @@ backwards when a rank restarts.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from kvfold.aggregator.fold import fold_node
-from kvfold.aggregator.freshness import FreshnessTracker
+from kvfold.aggregator.freshness import FreshnessTracker, Verdict
 from kvfold.codec import decode_rank_report
 from kvfold.errors import ReportError
 from kvfold.stats import HostStats, IterationStats, RankReport, Window, sum_deltas
@@ -22,6 +22,7 @@ from kvfold.topology import Topology
 from kvfold.view import NodeUtilization, SourceState
 
 ACCEPTED = "accepted"
+NEW = Verdict.NEW_INCARNATION.value
 
 
 class NodeState:
@@ -43,17 +44,46 @@ class NodeState:
         self.refused: Counter[str] = Counter()
         self.num_accepted = 0
 
-    def receive(self, data: bytes, now_s: float) -> str:
-        """Take one rank report. Returns "accepted" or why it was dropped."""
+    @property
+    def num_received(self) -> int:
+        """Every report that arrived: accepted or refused (none is silently lost)."""
+        return self.num_accepted + sum(self.refused.values())
+
+    def receive(
+        self,
+        data: bytes,
+        now_s: float,
+        verify: Callable[[int, int], bool] | None = None,
+    ) -> str:
+        """Take one rank report. Returns "accepted" or why it was dropped.
+
+        verify(rank, incarnation), when given, is asked before a rank's report
+        starts a new incarnation: False refuses it as `identity_mismatch` (a
+        sender claiming to be a rank it is not)."""
+        report, verdict = self.check(data)
+        if report is None:
+            return verdict
+        if verdict == NEW and verify is not None and not verify(report.rank, report.incarnation):
+            return self.refuse("identity_mismatch")
+        return self.apply(report, now_s)
+
+    def refuse(self, reason: str) -> str:
+        self.refused[reason] += 1
+        return reason
+
+    def check(self, data: bytes) -> tuple[RankReport | None, str]:
+        """Decode and classify without changing anything but refusal counts."""
         try:
             report = decode_rank_report(data, self.topology, self.node, self.windows)
         except ReportError as e:
-            self.refused[e.reason] += 1
-            return e.reason
+            return None, self.refuse(e.reason)
+        return report, self.freshness.check(report.rank, report.incarnation, report.seq).value
+
+    def apply(self, report: RankReport, now_s: float) -> str:
+        """Fold a decoded report in (re-checking its order: another may have come first)."""
         verdict = self.freshness.observe(report.rank, report.incarnation, report.seq, now_s)
         if not verdict.accepted:
-            self.refused[verdict.value] += 1
-            return verdict.value
+            return self.refuse(verdict.value)
         self.latest[report.rank] = report
         old = self.counters.get(report.rank)
         self.counters[report.rank] = IterationStats(

@@ -130,8 +130,9 @@ class RankWorker:
         self._node: Any = None
         self._unreported: dict[Window, BlockDeltas] = {}
         self._added: list[SeqId] = []
-        self.reports_sent = 0
-        self.reports_failed = 0
+        self.reports_sent = 0  # answered by the node (accepted or refused)
+        self.reports_failed = 0  # not answered: node down or timed out
+        self.report_verdicts: dict[str, int] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         if config is not None:
@@ -159,6 +160,7 @@ class RankWorker:
             "device": str(self.cache.storage.device) if self.cache else None,
             "bound": self.cache is not None,
             "reports_sent": self.reports_sent,
+            "report_verdicts": dict(self.report_verdicts),
             "reports_failed": self.reports_failed,
             "host_fetch_failures": self.host.fetch_failures if self.host else 0,
             "host_offload_failures": self.host.offload_failures if self.host else 0,
@@ -368,6 +370,7 @@ class RankWorker:
             self.reports_failed += 1  # unknown whether it arrived: never count twice
             return "timeout"
         self.reports_sent += 1
+        self.report_verdicts[verdict] = self.report_verdicts.get(verdict, 0) + 1
         return verdict
 
     def _report_loop(self) -> None:

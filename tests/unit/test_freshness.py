@@ -66,3 +66,32 @@ def test_silent_rank_leaves_the_node_totals_and_restart_counts_once() -> None:
     view = fold_node(topo, 0, reports, None, {r: f.state(r, 0.6) for r in (0, 1)})
     assert view.gpu_total.num_blocks_total == 32 and view.gpu_total.num_blocks_used == 4
     assert view.ranks[1].incarnation == 2
+
+
+def test_node_state_counts_every_report_and_refuses_impostors() -> None:
+    from kvfold.aggregator.node_state import NodeState
+    from kvfold.codec import encode_rank_report
+
+    topo = Topology(4, 2)
+    state = NodeState(topo, 0, (None,), 0.3, 1.0)
+    real = {0: 11, 1: 22}
+
+    def verify(rank: int, incarnation: int) -> bool:
+        return real.get(rank) == incarnation
+
+    ok = encode_rank_report(make_report(0, used=3, incarnation=11, seq=1))
+    assert state.receive(ok, 0.0, verify) == "accepted"
+    assert state.receive(ok, 0.1, verify) == "duplicate"
+    impostor = encode_rank_report(make_report(0, used=0, incarnation=99, seq=5))
+    assert state.receive(impostor, 0.2, verify) == "identity_mismatch"
+    other_node = encode_rank_report(make_report(2, incarnation=1))
+    assert state.receive(other_node, 0.2, verify) == "rank_not_on_node"
+    assert state.receive(b"\xff\x00", 0.2, verify) == "bad_msgpack"
+    assert state.fold(0.2, None).gpu_total.num_blocks_used == 3  # the impostor changed nothing
+    assert state.num_received == 5 and state.num_accepted == 1
+    assert dict(state.refused) == {
+        "duplicate": 1,
+        "identity_mismatch": 1,
+        "rank_not_on_node": 1,
+        "bad_msgpack": 1,
+    }

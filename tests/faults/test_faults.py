@@ -1,0 +1,272 @@
+"""Faults injected into a live deployment: 3 simulated nodes x 2 GPUs, world 6.
+
+Order matters (one cluster, growing damage): hostile input, a rank dies, a node
+actor dies, the aggregator dies, a node vanishes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import msgpack
+import pytest
+import ray
+
+from kvfold.admission import AdmissionController, AdmissionRequest, Outcome
+from kvfold.codec import encode_node_report, encode_rank_report
+from kvfold.errors import AggregatorUnavailable
+from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus
+from kvfold.view import SourceState
+from kvfold.worker import KVCacheConfig
+from tests.faults.conftest import record
+from tests.integration.conftest import wait_until
+
+CACHE = KVCacheConfig(
+    tokens_per_block=4,
+    num_blocks=64,
+    num_layers=1,
+    num_kv_heads=1,
+    head_dim=8,
+    dtype="float32",
+    device="auto",
+)
+FRESH, STALE, DEAD = SourceState.FRESH, SourceState.STALE, SourceState.DEAD
+
+
+@pytest.fixture(scope="module")
+def cluster():  # type: ignore[no-untyped-def]
+    from kvfold.cluster import start_local_cluster
+
+    c = start_local_cluster(num_nodes=3, gpus_per_node=2)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def kv(cluster):  # type: ignore[no-untyped-def]
+    from kvfold.cluster import launch
+
+    d = launch(6, 2, cache=CACHE, host_num_blocks=32)
+    yield d
+    d.shutdown()
+
+
+def stable(view):  # type: ignore[no-untyped-def]
+    """What must not change when bad input is refused (versions and ages may)."""
+    return (
+        view.gpu,
+        view.host,
+        view.counters,
+        view.node_states,
+        [[(r.rank, r.state, r.incarnation, r.gpu) for r in n.ranks] for n in view.nodes],
+    )
+
+
+def answers(handle) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        ray.get(handle.ping.remote(), timeout=5)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+
+
+def rank_report(rank: int, incarnation: int, seq: int, used: int = 0, total: int = 64) -> bytes:
+    return encode_rank_report(
+        RankReport(
+            rank=rank,
+            incarnation=incarnation,
+            seq=seq,
+            gpu={None: BlockGauges(total, used, 0, 4)},
+            deltas={None: BlockDeltas(alloc_new_blocks=5)},
+            num_sequences_by_status=dict.fromkeys(SequenceStatus, 0),
+        )
+    )
+
+
+def test_hostile_input_is_refused_counted_and_changes_nothing(kv) -> None:  # type: ignore[no-untyped-def]
+    kv.wait_until_fresh()
+    node0 = kv.node(0)
+    before = stable(kv.view())
+    info = kv.rank(0).info()
+    inc, seq = info["incarnation"], 10**9
+    rnd = random.Random(7)
+    attacks = {
+        "random bytes": bytes(rnd.randrange(256) for _ in range(200)),
+        "oversized": b"\x00" * (70 * 1024),
+        "wrong node": rank_report(2, 1, 1),
+        "impostor of rank 0": rank_report(0, inc + 1, seq, used=60),
+        "used > total": rank_report(1, 5, 1, used=70, total=64),
+        "not a map": msgpack.packb([1, 2, 3]),
+        "unknown version": msgpack.packb({"v": 99, "t": "rank"}),
+    }
+    verdicts = {name: ray.get(node0.report.remote(data)) for name, data in attacks.items()}
+    assert verdicts == {
+        "random bytes": verdicts["random bytes"],  # bad_msgpack or bad_schema, by the bytes
+        "oversized": "too_large",
+        "wrong node": "rank_not_on_node",
+        "impostor of rank 0": "identity_mismatch",
+        "used > total": "used_exceeds_total",
+        "not a map": "bad_schema",
+        "unknown version": "bad_schema",
+    }
+    assert verdicts["random bytes"] in ("bad_msgpack", "bad_schema")
+    # replayed and reordered: take rank 0's own next report, then send it again and an older one
+    real = kv.rank(0)
+    real.report_now()
+    counts0 = ray.get(node0.counts.remote())
+    replay = rank_report(0, inc, 1)  # seq 1 is long past
+    assert ray.get(node0.report.remote(replay)) == "out_of_order"
+    # the aggregator refuses garbage and forgeries alike
+    agg = kv.aggregator
+    assert ray.get(agg.node_report.remote(b"\x00\x01")) in ("bad_msgpack", "bad_schema")
+    forged = ray.get(node0.view.remote())
+    assert (
+        ray.get(agg.node_report.remote(encode_node_report(forged, 12345, 1))) == "identity_mismatch"
+    )
+    counts = ray.get(node0.counts.remote())
+    assert counts["refused"]["out_of_order"] == counts0["refused"].get("out_of_order", 0) + 1
+    assert sum(counts["refused"].values()) >= 8
+    assert ray.get(node0.ping.remote()) and ray.get(agg.ping.remote())  # both still up
+    time.sleep(3 * kv.settings.report_interval_s)
+    assert stable(kv.view()) == before
+    m = kv.client.counts()["refused"]
+    assert m.get("identity_mismatch", 0) == 1
+
+
+def test_a_rank_dies_then_another_restarts(kv) -> None:  # type: ignore[no-untyped-def]
+    victim = 1
+    t0 = time.monotonic()
+    ray.kill(kv.rank_handles[victim], no_restart=True)
+    wait_until(
+        lambda: kv.view().rank_states()[victim] is DEAD, timeout_s=kv.settings.dead_after_s + 5
+    )
+    t_dead = time.monotonic() - t0
+    view = kv.view()
+    node = view.nodes[0]
+    assert node.rank_free_blocks == {0: 64}  # rank 1 excluded from the node's totals
+    assert node.gpu_total.num_blocks_total == 64
+    ctl = AdmissionController(kv.client)
+    picks = set()
+    for i in range(40):
+        d = ctl.decide(AdmissionRequest(f"rd{i}", prompt_tokens=8, max_new_tokens=0))
+        assert d.outcome is Outcome.ADMIT
+        picks.add(d.rank)
+        ctl.release(f"rd{i}")
+    assert victim not in picks
+    # a crash with restarts allowed: a new incarnation, empty, counted once
+    r0 = kv.rank(0)
+    assert r0.add_sequence("keep", list(range(40)), report=True)  # 10 blocks
+    wait_until(lambda: kv.view().nodes[0].gpu_total.num_blocks_used == 10)
+    before = kv.view().counters.total
+    old = r0.info()["incarnation"]
+    t0 = time.monotonic()
+    ray.kill(kv.rank_handles[0], no_restart=False)
+
+    def back():  # type: ignore[no-untyped-def]
+        s = kv.view().rank_summary(0)
+        return s and s[0].state is FRESH and s[0].incarnation != old
+
+    wait_until(back, timeout_s=60)
+    t_back = time.monotonic() - t0
+    view = kv.view()
+    assert view.nodes[0].gpu_total.num_blocks_used == 0  # the new incarnation is empty
+    assert view.nodes[0].num_ranks_fresh == 1 and view.nodes[0].num_ranks_dead == 1
+    after = view.counters.total
+    assert after.alloc_new_blocks >= before.alloc_new_blocks  # never backwards
+    record("rank dies", detect_dead_s=t_dead, restart_fresh_s=t_back)
+
+
+def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untyped-def]
+    node = 1
+    ranks = kv.topology.ranks_on(node)
+    r = kv.rank(ranks[0])
+    assert r.add_sequence("n1", list(range(100, 180)), report=True)  # 20 blocks
+    wait_until(lambda: kv.view().nodes[node].gpu_total.num_blocks_used == 20)
+    before = kv.view()
+    interval = kv.settings.report_interval_s
+    t0 = time.monotonic()
+    ray.kill(kv.node(node), no_restart=False)
+    seen = set()
+
+    def state():  # type: ignore[no-untyped-def]
+        s = kv.view().node_states[node]
+        seen.add(s)
+        return s
+
+    wait_until(lambda: state() is not FRESH, timeout_s=10)
+    t_detect = time.monotonic() - t0
+    # its ranks keep working meanwhile
+    assert r.append_tokens("n1", list(range(4)))
+    assert r.stats().total.num_blocks_used == 21
+    wait_until(lambda: answers(kv.node(node)), timeout_s=60)
+    t_up = time.monotonic() - t0
+    wait_until(
+        lambda: state() is FRESH and kv.view().nodes[node].num_ranks_fresh == 2, timeout_s=30
+    )
+    t_fresh = time.monotonic() - t0
+    assert seen & {STALE, DEAD}
+    view = kv.view()
+    assert view.nodes[node].gpu_total.num_blocks_used == 21  # counted once, not twice
+    assert view.nodes[node].host.num_blocks_used == 0  # the restarted tier is empty
+    assert view.gpu_total.num_blocks_total == before.gpu_total.num_blocks_total
+    assert view.counters.total.alloc_new_blocks >= before.counters.total.alloc_new_blocks
+    r.free_sequence("n1", report=True)
+    record(
+        "node actor dies",
+        detect_s=t_detect,
+        actor_back_s=t_up,
+        fresh_s=t_fresh,
+        fresh_after_back_intervals=(t_fresh - t_up) / interval,
+        saw_dead=float(DEAD in seen),
+    )
+
+
+def test_the_aggregator_dies_and_is_rebuilt(kv) -> None:  # type: ignore[no-untyped-def]
+    before = kv.view()
+    t0 = time.monotonic()
+    ray.kill(kv.aggregator, no_restart=False)
+    errors = 0
+    t_err = None
+    while True:
+        t_call = time.monotonic()
+        try:
+            view = kv.client.view()
+            if view.version > before.version and all(s is FRESH for s in view.node_states):
+                break
+        except AggregatorUnavailable:
+            errors += 1
+            t_err = t_err or time.monotonic() - t0
+            assert time.monotonic() - t_call < kv.client.timeout_s + 1  # an error, never a hang
+        assert time.monotonic() - t0 < 60
+        time.sleep(0.02)
+    t_rebuilt = time.monotonic() - t0
+    assert errors >= 1
+    assert view.version > before.version  # keeps growing across the restart
+    assert view.gpu_total == before.gpu_total
+    record("aggregator dies", first_error_s=t_err or 0.0, rebuilt_s=t_rebuilt)
+
+
+def test_a_node_vanishes(kv, cluster) -> None:  # type: ignore[no-untyped-def]
+    node = 2
+    index = next(i for i, n in enumerate(cluster.nodes) if n.node_id == kv.ray_node_ids[node])
+    assert index != 0, "the head node cannot be removed"
+    gone = set(kv.topology.ranks_on(node))
+    t0 = time.monotonic()
+    cluster.remove_node(index)
+
+    def dead():  # type: ignore[no-untyped-def]
+        v = kv.view()
+        return v.node_states[node] is DEAD and gone <= set(v.dead_ranks)
+
+    wait_until(dead, timeout_s=kv.settings.dead_after_s + 15)
+    t_dead = time.monotonic() - t0
+    view = kv.view()
+    assert view.host.num_blocks_total == 2 * 32  # the vanished node's tier is excluded
+    ctl = AdmissionController(kv.client)
+    for i in range(30):
+        d = ctl.decide(AdmissionRequest(f"nv{i}", prompt_tokens=8, max_new_tokens=0))
+        assert d.outcome is Outcome.ADMIT and d.rank not in gone
+    record("node vanishes", detect_dead_s=t_dead)
+    assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"
