@@ -62,6 +62,26 @@ def _add_cluster_args(p: argparse.ArgumentParser, blocks: int, tpb: int, windows
 def _connect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray address HOST:PORT")
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE)
+    _auth_arg(p)
+
+
+def _auth_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="file holding the Ray cluster's auth token (Ray token authentication)",
+    )
+
+
+def _apply_auth(path: str | None) -> None:
+    """Token auth must be in the environment before Ray is imported (docs/security.md)."""
+    if not path:
+        return
+    token = Path(path).read_text(encoding="utf-8").strip()
+    if not token:
+        raise SystemExit(f"kvfold: the auth token file {path!r} is empty")
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = token
 
 
 class LiveTable:
@@ -328,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _apply_auth(getattr(args, "auth_token_file", None))
     _ray_env(getattr(args, "address", None))  # before anything imports Ray
     code: int = args.fn(args)
     return code

@@ -26,8 +26,8 @@ from kvfold.stats import HostStats, Window
 from kvfold.topology import Topology
 from kvfold.view import NodeUtilization, SourceState
 
-ACK_TIMEOUT_S = 2.0
 VERIFY_TIMEOUT_S = 2.0
+MAX_INFLIGHT = 64
 MIN_PUSH_GAP_S = 0.005  # coalesce bursts of rank reports into one node report
 
 
@@ -59,6 +59,7 @@ class HostKVActor:
         self.lock = threading.Lock()
         self.pushes_failed = 0
         self.pushes_acked = 0
+        self._inflight: list[Any] = []
         self._aggregator: Any = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -190,12 +191,25 @@ class HostKVActor:
         if agg is None:
             self.pushes_failed += 1
             return
-        try:
-            ray.get(agg.node_report.remote(data), timeout=ACK_TIMEOUT_S)
-            self.pushes_acked += 1
-        except (RayActorError, GetTimeoutError):
-            self.pushes_failed += 1
+        # wait a little for the answer, never long: a slow or restarting aggregator must
+        # not hold back the next push (answers that come later are counted then)
+        self._inflight.append(agg.node_report.remote(data))
+        ray.wait(self._inflight[-1:], timeout=3 * self.report_interval_s)
+        self._settle()
         self._probe_silent_ranks(util, now)
+
+    def _settle(self) -> None:
+        if not self._inflight:
+            return
+        ready, pending = ray.wait(self._inflight, num_returns=len(self._inflight), timeout=0)
+        for ref in ready:
+            try:
+                ray.get(ref)
+                self.pushes_acked += 1
+            except RayActorError:
+                self.pushes_failed += 1
+        self._inflight = pending[-MAX_INFLIGHT:]
+        self.pushes_failed += max(0, len(pending) - MAX_INFLIGHT)  # given up on
 
     def _probe_silent_ranks(self, util: NodeUtilization, now: float) -> None:
         """Ask Ray about ranks that went silent: a dead actor is marked dead at once."""
@@ -226,5 +240,10 @@ class HostKVActor:
             time.sleep(MIN_PUSH_GAP_S)
 
     def stop(self) -> None:
+        """Stop pushing (after settling the pushes still in flight)."""
         self._stop.set()
         self._wake.set()
+        time.sleep(MIN_PUSH_GAP_S)
+        if self._inflight:
+            ray.wait(self._inflight, num_returns=len(self._inflight), timeout=2.0)
+        self._settle()

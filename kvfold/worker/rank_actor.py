@@ -38,6 +38,7 @@ from kvfold.worker.config import KVCacheConfig
 from kvfold.workload.engine import EngineRequest, SimEngine, StepResult
 
 ACK_TIMEOUT_S = 2.0
+MAX_INFLIGHT_REPORTS = 64
 HOST_TIMEOUT_S = 2.0
 
 
@@ -133,6 +134,8 @@ class RankWorker:
         self.reports_sent = 0  # answered by the node (accepted or refused)
         self.reports_failed = 0  # not answered: node down or timed out
         self.report_verdicts: dict[str, int] = {}
+        self._inflight: list[tuple[Any, RankReport]] = []
+        self._report_lock = threading.Lock()  # one report path at a time
         self._wake = threading.Event()
         self._stop = threading.Event()
         if config is not None:
@@ -171,8 +174,17 @@ class RankWorker:
         return self.incarnation
 
     def stop(self) -> None:
+        """Stop reporting (after settling the reports still in flight)."""
         self._stop.set()
         self._wake.set()
+        with self._report_lock:
+            if self._inflight:
+                ray.wait(
+                    [r for r, _ in self._inflight],
+                    num_returns=len(self._inflight),
+                    timeout=ACK_TIMEOUT_S,
+                )
+            self._settle_reports()
 
     def node_handle(self) -> Any:
         if self._node is None:
@@ -349,29 +361,55 @@ class RankWorker:
 
     def report_now(self) -> str:
         """Build and push one report, waiting for the node's answer (for drivers and tests)."""
-        return self._push()
+        with self._report_lock:
+            return self._push(wait_s=ACK_TIMEOUT_S)
 
-    def _push(self) -> str:
-        report = self._build_report()
+    def _settle_reports(self) -> dict[Any, str]:
+        """Account for reports whose answer has come since the last call (no waiting).
+
+        A report the node never took (its actor died first) gives its deltas back to
+        the next report; one it answered is counted by verdict. Ray delivers one
+        caller's calls to an actor in order, so reports are never folded out of order.
+        """
+        answers: dict[Any, str] = {}
+        if not self._inflight:
+            return answers
+        refs = [r for r, _ in self._inflight]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = set(ready)
+        keep = []
+        for ref, report in self._inflight:
+            if ref not in done:
+                keep.append((ref, report))
+                continue
+            try:
+                verdict: str = ray.get(ref)
+            except RayActorError:
+                self._restore(report)
+                self.reports_failed += 1
+                answers[ref] = "node_unavailable"
+                continue
+            self.reports_sent += 1
+            self.report_verdicts[verdict] = self.report_verdicts.get(verdict, 0) + 1
+            answers[ref] = verdict
+        self._inflight = keep
+        return answers
+
+    def _push(self, wait_s: float) -> str:
+        """Send one report; wait up to `wait_s` for its answer, else leave it in flight."""
+        self._settle_reports()
+        if len(self._inflight) >= MAX_INFLIGHT_REPORTS:
+            return "backlogged"  # the node is not answering: deltas keep accumulating
         node = self.node_handle()
+        report = self._build_report()
         if node is None:
             self._restore(report)
             self.reports_failed += 1
             return "node_unavailable"
-        try:
-            verdict: str = ray.get(
-                node.report.remote(encode_rank_report(report)), timeout=ACK_TIMEOUT_S
-            )
-        except RayActorError:
-            self._restore(report)  # the node actor is down: the report was not taken
-            self.reports_failed += 1
-            return "node_unavailable"
-        except GetTimeoutError:
-            self.reports_failed += 1  # unknown whether it arrived: never count twice
-            return "timeout"
-        self.reports_sent += 1
-        self.report_verdicts[verdict] = self.report_verdicts.get(verdict, 0) + 1
-        return verdict
+        ref = node.report.remote(encode_rank_report(report))
+        self._inflight.append((ref, report))
+        ray.wait([ref], timeout=wait_s)
+        return self._settle_reports().get(ref, "in_flight")
 
     def _report_loop(self) -> None:
         while not self._stop.is_set():
@@ -380,7 +418,8 @@ class RankWorker:
             if self._stop.is_set():
                 return
             try:
-                self._push()
+                with self._report_lock:
+                    self._push(wait_s=3 * self.report_interval_s)
             except (RayError, ValueError, RuntimeError, OSError) as e:
                 self.reports_failed += 1
                 print(f"kvfold rank {self.rank}: report failed: {type(e).__name__}: {e}")

@@ -1,0 +1,117 @@
+"""Sustained load: 16 ranks on 4 nodes reporting every 50 ms while 4 readers query the view.
+
+Every report sent is accounted for (folded or counted as refused), the aggregator's
+memory stays flat after warm-up, and the query latency is printed."""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import threading
+import time
+
+import pytest
+import ray
+
+from kvfold.errors import AggregatorUnavailable
+from kvfold.worker import KVCacheConfig
+from tests.faults.conftest import record
+
+SOAK_S = float(os.environ.get("KVFOLD_SOAK_S", "60"))
+WARMUP_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def kv():  # type: ignore[no-untyped-def]
+    from kvfold.cluster import launch, start_local_cluster
+
+    cluster = start_local_cluster(num_nodes=4, gpus_per_node=4)
+    cache = KVCacheConfig(
+        tokens_per_block=16, num_blocks=256, num_layers=1, num_kv_heads=1, head_dim=8, device="auto"
+    )
+    d = launch(16, 4, cache=cache, report_interval_s=0.05)
+    yield d
+    d.shutdown()
+    cluster.shutdown()
+
+
+def test_soak(kv) -> None:  # type: ignore[no-untyped-def]
+    assert [n.num_ranks_expected for n in kv.view().nodes] == [4, 4, 4, 4]
+    stop = threading.Event()
+    latencies: list[list[float]] = [[] for _ in range(4)]
+    errors: list[str] = []
+
+    def reader(i: int) -> None:
+        from kvfold.aggregator.client import KVFoldClient
+
+        client = KVFoldClient(namespace=kv.namespace)
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                v = client.view()
+                assert v.world_size == 16
+            except (AggregatorUnavailable, AssertionError) as e:  # collected, asserted below
+                errors.append(repr(e))
+            latencies[i].append(time.perf_counter() - t0)
+
+    def churn() -> None:
+        rnd = random.Random(0)
+        n = 0
+        while not stop.is_set():
+            r = kv.rank(rnd.randrange(16))
+            sid = f"s{n}"
+            if r.add_sequence(sid, list(range(n * 1000, n * 1000 + rnd.randrange(16, 400)))):
+                r.free_sequence(sid) if rnd.random() < 0.9 else None
+            n += 1
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    threads.append(threading.Thread(target=churn))
+    for t in threads:
+        t.start()
+    time.sleep(WARMUP_S)
+    rss_warm = ray.get(kv.aggregator.memory_rss_bytes.remote())
+    time.sleep(max(0.0, SOAK_S - WARMUP_S))
+    rss_end = ray.get(kv.aggregator.memory_rss_bytes.remote())
+    stop.set()
+    for t in threads:
+        t.join()
+    # quiesce: stop every reporter, then count what was sent and what was received
+    ray.get([h.stop.remote() for h in kv.rank_handles])
+    time.sleep(0.5)
+    ray.get([h.stop.remote() for h in kv.node_handles])
+    time.sleep(0.5)
+    ranks = ray.get([h.info.remote() for h in kv.rank_handles])
+    nodes = ray.get([h.counts.remote() for h in kv.node_handles])
+    agg = kv.client.counts()
+    sent = sum(r["reports_sent"] for r in ranks)
+    failed = sum(r["reports_failed"] for r in ranks)
+    received = sum(n["received"] for n in nodes)
+    accepted = sum(n["accepted"] for n in nodes)
+    refused = sum(sum(n["refused"].values()) for n in nodes)
+    assert received == accepted + refused
+    assert sent <= received <= sent + failed  # every answered report arrived; none vanished
+    assert failed == 0 and refused == 0, (failed, [n["refused"] for n in nodes])
+    expected = 16 * (SOAK_S / kv.settings.report_interval_s)
+    assert sent > 0.5 * expected  # reports kept flowing at roughly the interval
+    pushes = sum(n["pushes_acked"] for n in nodes)
+    assert agg["received"] >= pushes and sum(agg["refused"].values()) == 0
+    assert not errors, errors[:3]
+    all_lat = [x for lat in latencies for x in lat]
+    p50 = statistics.median(all_lat)
+    p99 = sorted(all_lat)[int(0.99 * len(all_lat))]
+    growth = (rss_end - rss_warm) / rss_warm
+    record(
+        "soak",
+        duration_s=SOAK_S,
+        reports_sent=sent,
+        reports_per_s=sent / SOAK_S,
+        queries=len(all_lat),
+        query_p50_ms=p50 * 1e3,
+        query_p99_ms=p99 * 1e3,
+        aggregator_rss_warm_mib=rss_warm / 2**20,
+        aggregator_rss_end_mib=rss_end / 2**20,
+        rss_growth=growth,
+    )
+    assert abs(growth) <= 0.10
