@@ -104,8 +104,10 @@ class ClusterAggregator:
     def topology_list(self) -> list[int]:
         return self.topology.as_list()
 
+    @ray.method(concurrency_group="reports")
     def node_report(self, data: bytes) -> str:
-        """A node's report: "accepted", or the reason it was refused (counted)."""
+        """A node's report: "accepted", or the reason it was refused (counted).
+        One thread takes reports, in the order each node sent them."""
         with self.cond:
             report, verdict = self.state.check(data)
         if report is None:

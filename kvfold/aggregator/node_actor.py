@@ -68,8 +68,13 @@ class HostKVActor:
 
     # ------------------------------------------------------------ from ranks
 
+    @ray.method(concurrency_group="reports")
     def report(self, data: bytes) -> str:
-        """A rank's report: "accepted", or the reason it was refused (counted)."""
+        """A rank's report: "accepted", or the reason it was refused (counted).
+
+        Runs in a one-thread concurrency group, so a rank's reports are taken in the
+        order it sent them (Ray keeps one caller's calls in order; a thread pool would not).
+        """
         with self.lock:
             report, verdict = self.state.check(data)
         if report is None:

@@ -360,12 +360,13 @@ def launch(
     actors: list[Any] = []
     try:
         aggregator = (
-            ray.remote(ClusterAggregator)
+            ray.remote(concurrency_groups={"reports": 1})(ClusterAggregator)  # type: ignore[call-overload]
             .options(
                 name=AGGREGATOR_NAME,
                 namespace=ns,
                 lifetime=lifetime,
                 num_cpus=0,
+                resources=_on_head_node(),
                 max_restarts=-1,
                 max_task_retries=0,
                 max_concurrency=32,
@@ -384,9 +385,9 @@ def launch(
         geometry = cache.block_geometry()
         nodes = []
         for node, nid in enumerate(node_ids):
-            # offload/onboard run in their own concurrency group so they never delay reports
+            # reports: one thread, in order; offload/onboard: their own threads, never in the way
             h = (
-                ray.remote(concurrency_groups={"data": 4})(HostKVActor)  # type: ignore[call-overload]
+                ray.remote(concurrency_groups={"reports": 1, "data": 4})(HostKVActor)  # type: ignore[call-overload]
                 .options(
                     name=node_actor_name(node),
                     namespace=ns,
@@ -445,6 +446,15 @@ def launch(
             kv.shutdown()
             raise
     return kv
+
+
+HEAD_RESOURCE = "node:__internal_head__"
+
+
+def _on_head_node() -> dict[str, float]:
+    """Pin the aggregator to the head node, as Ray Serve pins its controller: losing a
+    worker node must not take the cluster's view with it (docs/decisions.md)."""
+    return {HEAD_RESOURCE: 0.001} if HEAD_RESOURCE in ray.cluster_resources() else {}
 
 
 def attach(namespace: str = DEFAULT_NAMESPACE, address: str | None = None) -> KVFoldClient:
