@@ -77,6 +77,9 @@ class ClusterState:
         verdict = self.freshness.observe(report.node, report.incarnation, report.seq, now_s)
         if not verdict.accepted:
             return self.refuse(verdict.value)
+        if not verdict.current:  # late: a node report is a snapshot, a newer one is in
+            self.num_accepted += 1
+            return verdict.value
         old = self.nodes.get(report.node)
         if verdict is Verdict.NEW_INCARNATION and old is not None:
             base = self.counters_base.get(report.node)

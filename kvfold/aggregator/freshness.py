@@ -3,9 +3,12 @@
 Time is the receiver's monotonic clock, passed in as `now_s`; a sender's clock
 is never trusted. Each source reports (incarnation, seq):
 
-    same incarnation, seq > last   -> ACCEPTED
-    same incarnation, seq == last  -> DUPLICATE     (dropped, counted)
-    same incarnation, seq <  last  -> OUT_OF_ORDER  (dropped, counted)
+    same incarnation, seq > last                   -> ACCEPTED
+    same incarnation, a seq skipped over earlier   -> LATE          (overtaken in transit: its
+                                                                    counts folded, its older
+                                                                    snapshot not used)
+    same incarnation, last-32 < seq <= last, seen  -> DUPLICATE     (dropped, counted)
+    same incarnation, seq <= last-32               -> OUT_OF_ORDER  (dropped, counted)
     a retired incarnation          -> RETIRED       (late report of an old life: dropped)
     any other incarnation          -> NEW_INCARNATION (old state replaced)
 
@@ -23,17 +26,25 @@ from dataclasses import dataclass, field
 from kvfold.view import SourceState
 
 RETIRED_KEPT = 16  # old incarnations remembered per source
+LATE_WINDOW = 32  # how far behind a report may arrive and still have its counts folded
 
 
 class Verdict(enum.Enum):
     ACCEPTED = "accepted"
     NEW_INCARNATION = "new_incarnation"
+    LATE = "late"
     DUPLICATE = "duplicate"
     OUT_OF_ORDER = "out_of_order"
     RETIRED = "retired_incarnation"
 
     @property
     def accepted(self) -> bool:
+        """Its counts are used (a LATE report's snapshot is not)."""
+        return self in (Verdict.ACCEPTED, Verdict.NEW_INCARNATION, Verdict.LATE)
+
+    @property
+    def current(self) -> bool:
+        """It is the newest word from the source: its snapshot replaces the last one."""
         return self in (Verdict.ACCEPTED, Verdict.NEW_INCARNATION)
 
 
@@ -44,6 +55,7 @@ class _Source:
     last_seen_s: float
     told_dead: bool = False
     retired: deque[int] = field(default_factory=lambda: deque(maxlen=RETIRED_KEPT))
+    gaps: set[int] = field(default_factory=set)  # seqs skipped over, still welcome late
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -67,6 +79,7 @@ class FreshnessTracker:
         self.dropped: Counter[str] = Counter()  # by Verdict value
         self.num_accepted = 0
         self.num_restarts = 0
+        self.num_late = 0
 
     def check(self, source: Hashable, incarnation: int, seq: int) -> Verdict:
         """What `observe` would answer, without changing anything."""
@@ -77,10 +90,10 @@ class FreshnessTracker:
             return Verdict.RETIRED if incarnation in s.retired else Verdict.NEW_INCARNATION
         if s.told_dead:
             return Verdict.RETIRED
-        if seq == s.last_seq:
-            return Verdict.DUPLICATE
-        if seq < s.last_seq:
-            return Verdict.OUT_OF_ORDER
+        if seq in s.gaps:
+            return Verdict.LATE
+        if seq <= s.last_seq:
+            return Verdict.DUPLICATE if seq > s.last_seq - LATE_WINDOW else Verdict.OUT_OF_ORDER
         return Verdict.ACCEPTED
 
     def observe(self, source: Hashable, incarnation: int, seq: int, now_s: float) -> Verdict:
@@ -96,8 +109,16 @@ class FreshnessTracker:
         elif verdict is Verdict.NEW_INCARNATION:
             s.retired.append(s.incarnation)
             s.incarnation, s.last_seq, s.last_seen_s, s.told_dead = incarnation, seq, now_s, False
+            s.gaps.clear()
             self.num_restarts += 1
+        elif verdict is Verdict.LATE:
+            s.gaps.discard(seq)
+            s.last_seen_s = now_s  # late, but alive
+            self.num_late += 1
         else:
+            floor = seq - LATE_WINDOW
+            s.gaps = {g for g in s.gaps if g > floor}
+            s.gaps.update(range(max(s.last_seq + 1, floor + 1), seq))  # may still arrive
             s.last_seq, s.last_seen_s = seq, now_s
         return verdict
 

@@ -19,7 +19,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from kvfold.aggregator.host_kv import HostKVPool
-from kvfold.aggregator.node_state import ACCEPTED, NEW, NodeState
+from kvfold.aggregator.node_state import ACCEPTED, LATE, NEW, NodeState
 from kvfold.codec import encode_node_report
 from kvfold.naming import AGGREGATOR_NAME, rank_actor_name
 from kvfold.stats import HostStats, Window
@@ -84,7 +84,7 @@ class HostKVActor:
                 return self.state.refuse("identity_mismatch")
         with self.lock:
             verdict = self.state.apply(report, time.monotonic())
-        if verdict == ACCEPTED:
+        if verdict in (ACCEPTED, LATE):
             self._wake.set()
         return verdict
 

@@ -23,6 +23,7 @@ from kvfold.view import NodeUtilization, SourceState
 
 ACCEPTED = "accepted"
 NEW = Verdict.NEW_INCARNATION.value
+LATE = Verdict.LATE.value
 
 
 class NodeState:
@@ -84,13 +85,14 @@ class NodeState:
         verdict = self.freshness.observe(report.rank, report.incarnation, report.seq, now_s)
         if not verdict.accepted:
             return self.refuse(verdict.value)
-        self.latest[report.rank] = report
+        if verdict.current:
+            self.latest[report.rank] = report
         old = self.counters.get(report.rank)
         self.counters[report.rank] = IterationStats(
             sum_deltas([old.windows, report.deltas]) if old else dict(report.deltas)
         )
         self.num_accepted += 1
-        return ACCEPTED
+        return ACCEPTED if verdict.current else verdict.value
 
     def mark_dead(self, rank: int) -> None:
         self.freshness.mark_dead(rank)

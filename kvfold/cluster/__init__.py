@@ -1,6 +1,7 @@
 """Placing and launching kvfold on a Ray cluster; the embedded local cluster."""
 
-from kvfold.cluster.launch import KVFold, RankClient, attach, launch, teardown
+from kvfold.cluster.handle import KVFold, RankClient
+from kvfold.cluster.launch import attach, launch, teardown
 from kvfold.cluster.local import LocalCluster, start_local_cluster
 
 __all__ = [

@@ -29,7 +29,7 @@ from kvfold.admission import (
     Outcome,
     Policy,
 )
-from kvfold.cluster.launch import KVFold
+from kvfold.cluster.handle import KVFold
 from kvfold.view import ClusterView
 from kvfold.worker.hashing import block_keys
 from kvfold.workload.engine import StepResult

@@ -26,7 +26,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvfold.errors import IntegrityError
 from kvfold.stats import (
     DELTA_FIELDS,
     VALID_STATUSES,
@@ -482,45 +481,6 @@ class PagedKVCache:
 
     def check_integrity(self) -> None:
         """Recount everything from the block tables; raise IntegrityError with the numbers."""
-        B = self.block_size
-        for w, pool in self.pools.items():
-            expected = [0] * pool.num_blocks
-            for seq in self._seqs.values():
-                for b in seq.tables.get(w, ()):
-                    expected[b] += 1
-            pool.check_integrity(expected)
-            cum = self.cumulative().windows[w]
-            refs = sum(expected)
-            balance = cum.alloc_new_blocks + cum.reused_blocks - self._released_refs[w]
-            if balance != refs:
-                raise IntegrityError(
-                    f"window {w!r}: alloc_new {cum.alloc_new_blocks} + reused "
-                    f"{cum.reused_blocks} - released {self._released_refs[w]} = {balance} "
-                    f"!= held references {refs}"
-                )
-            if cum.onboarded_blocks > cum.alloc_new_blocks:
-                raise IntegrityError(
-                    f"window {w!r}: onboarded {cum.onboarded_blocks} > alloc_new "
-                    f"{cum.alloc_new_blocks}"
-                )
-        counts = dict.fromkeys(SequenceStatus, 0)
-        for seq in self._seqs.values():
-            counts[seq.status] += 1
-            for w in self.windows:
-                held = len(seq.tables.get(w, ()))
-                if not seq.holds_blocks:
-                    if held:
-                        raise IntegrityError(
-                            f"seq {seq.seq_id!r} is {seq.status.name} but holds {held} blocks"
-                        )
-                    continue
-                n = _ceil_div(seq.num_tokens, B)
-                want = n - seq.first[w]
-                lo = 0 if w is None else max(0, seq.num_tokens - w) // B
-                if held != want or seq.first[w] < lo:
-                    raise IntegrityError(
-                        f"seq {seq.seq_id!r} window {w!r}: holds {held} blocks from "
-                        f"{seq.first[w]}, expected {want} from >= {lo} for {seq.num_tokens} tokens"
-                    )
-        if counts != self._status_counts:
-            raise IntegrityError(f"status counts {self._status_counts} != recount {counts}")
+        from kvfold.worker.integrity import check_cache_integrity
+
+        check_cache_integrity(self)

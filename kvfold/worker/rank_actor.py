@@ -160,6 +160,7 @@ class RankWorker:
             "node": self.node,
             "ray_node_id": ctx.get_node_id(),
             "incarnation": self.incarnation,
+            "seq": self.seq,
             "device": str(self.cache.storage.device) if self.cache else None,
             "bound": self.cache is not None,
             "reports_sent": self.reports_sent,

@@ -62,3 +62,19 @@ def make_report(
         num_sequences_by_status=counts,
         added_seq_ids=added,
     )
+
+
+class PoolHostTier:
+    """A HostTier over an in-process HostKVPool (the fake at the seam; the real one is a
+    Ray actor)."""
+
+    def __init__(self, num_blocks: int, slot_nbytes: int) -> None:
+        from kvfold.aggregator.host_kv import HostKVPool
+
+        self.pool = HostKVPool(num_blocks, slot_nbytes, pin_memory=False)
+
+    def fetch(self, window, keys):  # type: ignore[no-untyped-def]
+        return self.pool.get(window, keys)
+
+    def offload_many(self, items):  # type: ignore[no-untyped-def]
+        return [self.pool.put(w, k, p) for w, k, p in items]

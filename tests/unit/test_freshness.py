@@ -25,10 +25,13 @@ def test_duplicates_reorders_and_retired_incarnations_are_dropped_and_counted() 
     f.observe("r", 7, 1, 0.0)
     f.observe("r", 7, 3, 0.1)
     assert f.observe("r", 7, 3, 0.2) is Verdict.DUPLICATE
-    assert f.observe("r", 7, 2, 0.2) is Verdict.OUT_OF_ORDER
+    assert f.observe("r", 7, 2, 0.2) is Verdict.LATE  # overtaken: its counts still count
+    assert f.observe("r", 7, 2, 0.2) is Verdict.DUPLICATE  # but only once
+    f.observe("r", 7, 100, 0.25)
+    assert f.observe("r", 7, 50, 0.25) is Verdict.OUT_OF_ORDER  # too far behind (window 32)
     assert f.observe("r", 9, 1, 0.3) is Verdict.NEW_INCARNATION  # restarted
-    assert f.observe("r", 7, 4, 0.4) is Verdict.RETIRED  # a late report of the old life
-    assert f.dropped == {"duplicate": 1, "out_of_order": 1, "retired_incarnation": 1}
+    assert f.observe("r", 7, 101, 0.4) is Verdict.RETIRED  # a late report of the old life
+    assert f.dropped == {"duplicate": 2, "out_of_order": 1, "retired_incarnation": 1}
     assert f.incarnation("r") == 9 and f.num_restarts == 1
 
 
@@ -79,18 +82,25 @@ def test_node_state_counts_every_report_and_refuses_impostors() -> None:
     def verify(rank: int, incarnation: int) -> bool:
         return real.get(rank) == incarnation
 
-    ok = encode_rank_report(make_report(0, used=3, incarnation=11, seq=1))
+    first = encode_rank_report(make_report(0, used=1, incarnation=11, seq=1, reused=0))
+    assert state.receive(first, 0.0, verify) == "accepted"
+    ok = encode_rank_report(make_report(0, used=3, incarnation=11, seq=3, reused=4))
     assert state.receive(ok, 0.0, verify) == "accepted"
     assert state.receive(ok, 0.1, verify) == "duplicate"
+    late = encode_rank_report(make_report(0, used=9, incarnation=11, seq=2, reused=5))
+    assert state.receive(late, 0.1, verify) == "late"  # counted, its older snapshot unused
+    assert state.receive(late, 0.1, verify) == "duplicate"  # once only
+    assert state.receive(first, 0.1, verify) == "duplicate"  # a replay of a seen report
+    assert state.fold(0.1, None).counters.total.reused_blocks == 4 + 5
     impostor = encode_rank_report(make_report(0, used=0, incarnation=99, seq=5))
     assert state.receive(impostor, 0.2, verify) == "identity_mismatch"
     other_node = encode_rank_report(make_report(2, incarnation=1))
     assert state.receive(other_node, 0.2, verify) == "rank_not_on_node"
     assert state.receive(b"\xff\x00", 0.2, verify) == "bad_msgpack"
     assert state.fold(0.2, None).gpu_total.num_blocks_used == 3  # the impostor changed nothing
-    assert state.num_received == 5 and state.num_accepted == 1
+    assert state.num_received == 9 and state.num_accepted == 3
     assert dict(state.refused) == {
-        "duplicate": 1,
+        "duplicate": 3,
         "identity_mismatch": 1,
         "rank_not_on_node": 1,
         "bad_msgpack": 1,

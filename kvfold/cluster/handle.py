@@ -1,0 +1,175 @@
+"""KVFold, the handle `launch` returns, and RankClient, synchronous calls to one rank.
+
+Every Ray failure of a rank call becomes RankUnavailable; views come through
+KVFoldClient (AggregatorUnavailable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import remove_placement_group
+
+from kvfold.aggregator.client import KVFoldClient
+from kvfold.errors import KVFoldError, RankUnavailable
+from kvfold.stats import IterationStats, KVStats, SequenceStatus, Window
+from kvfold.topology import Topology
+from kvfold.view import ClusterView, SourceState
+from kvfold.workload.engine import StepResult
+
+if TYPE_CHECKING:
+    from kvfold.cluster.launch import LaunchSettings
+
+CALL_TIMEOUT_S = 30.0
+
+
+class RankClient:
+    """Synchronous calls to one rank actor; Ray failures become RankUnavailable."""
+
+    def __init__(self, rank: int, handle: Any, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        self.rank = rank
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return ray.get(
+                getattr(self.handle, method).remote(*args, **kwargs), timeout=self.timeout_s
+            )
+        except RayActorError as e:
+            raise RankUnavailable(self.rank, str(e).splitlines()[0]) from e
+        except GetTimeoutError as e:
+            raise RankUnavailable(self.rank, f"no answer to {method} in {self.timeout_s} s") from e
+
+    def add_sequence(
+        self,
+        seq_id: str | int,
+        token_ids: Sequence[int] | np.ndarray,
+        salt: str | None = None,
+        report: bool = False,
+    ) -> bool:
+        return bool(self.call("add_sequence", seq_id, token_ids, salt, report))
+
+    def append_tokens(
+        self, seq_id: str | int, token_ids: Sequence[int], report: bool = False
+    ) -> bool:
+        return bool(self.call("append_tokens", seq_id, token_ids, report))
+
+    def set_status(self, seq_id: str | int, status: SequenceStatus, report: bool = False) -> None:
+        self.call("set_status", seq_id, int(status), report)
+
+    def free_sequence(self, seq_id: str | int, report: bool = False) -> None:
+        self.call("free_sequence", seq_id, report)
+
+    def block_table(self, seq_id: str | int, window: Window = None) -> list[int]:
+        table: list[int] = self.call("block_table", seq_id, window)
+        return table
+
+    def stats(self) -> KVStats | None:
+        stats: KVStats | None = self.call("stats")
+        return stats
+
+    def cumulative(self) -> IterationStats | None:
+        out: IterationStats | None = self.call("cumulative")
+        return out
+
+    def write_kv(
+        self, seq_id: str | int, layer: int, positions: list[int], k: np.ndarray, v: np.ndarray
+    ) -> None:
+        self.call("write_kv", seq_id, layer, positions, k, v)
+
+    def gather_kv(self, seq_id: str | int, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        k, v = self.call("gather_kv", seq_id, layer)
+        return k, v
+
+    def engine_step(self, admits: list[tuple[Any, np.ndarray, int, str | None]]) -> StepResult:
+        result: StepResult = self.call("engine_step", admits)
+        return result
+
+    def report_now(self) -> str:
+        verdict: str = self.call("report_now")
+        return verdict
+
+    def info(self) -> dict[str, Any]:
+        info: dict[str, Any] = self.call("info")
+        return info
+
+    def check_integrity(self) -> None:
+        self.call("check_integrity")
+
+
+class KVFold:
+    """A running kvfold deployment: its topology, its actors, and a client for views."""
+
+    def __init__(
+        self,
+        settings: LaunchSettings,
+        topology: Topology,
+        aggregator: Any,
+        nodes: list[Any],
+        ranks: list[Any],
+        pg: Any,
+        ray_node_ids: list[str],
+    ) -> None:
+        self.settings = settings
+        self.topology = topology
+        self.namespace = settings.namespace
+        self.aggregator = aggregator
+        self.node_handles = nodes
+        self.rank_handles = ranks
+        self.placement_group = pg
+        self.ray_node_ids = ray_node_ids
+        self.client = KVFoldClient(namespace=settings.namespace)
+        self._ranks = [RankClient(r, h) for r, h in enumerate(ranks)]
+
+    def view(self) -> ClusterView:
+        return self.client.view()
+
+    def wait_for_version(self, version: int, timeout_s: float = 5.0) -> ClusterView | None:
+        return self.client.wait_for_version(version, timeout_s)
+
+    def rank(self, rank: int) -> RankClient:
+        self.topology.check_rank(rank)
+        return self._ranks[rank]
+
+    def node(self, node: int) -> Any:
+        """The node's HostKVActor handle (for `.counts.remote()`, `.view.remote()`)."""
+        self.topology.check_node(node)
+        return self.node_handles[node]
+
+    def wait_until_fresh(self, timeout_s: float = 30.0) -> ClusterView:
+        """Block until every rank of every node is fresh in the view."""
+        deadline = time.monotonic() + timeout_s
+        view = self.view()
+        while True:
+            states = view.rank_states()
+            if (
+                all(s is SourceState.FRESH for s in states.values())
+                and len(states) == self.topology.world_size
+            ):
+                return view
+            left = deadline - time.monotonic()
+            if left <= 0:
+                not_fresh = {r: s.value for r, s in states.items() if s is not SourceState.FRESH}
+                raise KVFoldError(f"ranks not fresh after {timeout_s} s: {not_fresh}")
+            view = self.client.wait_for_version(view.version, min(left, 1.0)) or self.view()
+
+    def shutdown(self) -> None:
+        """Stop every kvfold actor of this deployment and free its placement group."""
+        for h in [*self.rank_handles, *self.node_handles, self.aggregator]:
+            with contextlib.suppress(RayActorError, ValueError):
+                ray.kill(h, no_restart=True)
+        with contextlib.suppress(ValueError, RayActorError):
+            remove_placement_group(self.placement_group)
+
+    def __enter__(self) -> KVFold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
