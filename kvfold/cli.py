@@ -87,10 +87,13 @@ def _apply_auth(path: str | None) -> None:
 class LiveTable:
     """Redraws in place on a terminal; prints a plain progress line otherwise."""
 
-    def __init__(self, stream: Any = sys.stdout, every_s: float = 3.0) -> None:
+    def __init__(
+        self, stream: Any = sys.stdout, every_s: float = 3.0, plain_table: bool = False
+    ) -> None:
         self.stream = stream
         self.tty = stream.isatty()
         self.every_s = every_s
+        self.plain_table = plain_table  # off a terminal: print the table too, not only progress
         self._last = float("-inf")
         self._lines = 0
 
@@ -106,7 +109,7 @@ class LiveTable:
             if now - self._last < self.every_s:
                 return
             self._last = now
-            self.stream.write(progress + "\n")
+            self.stream.write((f"{text}\n" if self.plain_table else "") + progress + "\n")
         self.stream.flush()
 
 
@@ -237,7 +240,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     from kvfold.display import render_table
     from kvfold.errors import AggregatorUnavailable
 
-    table = LiveTable(every_s=0.0)
+    table = LiveTable(every_s=0.0, plain_table=True)
     try:
         client = _client(args)
         view = client.view()

@@ -104,12 +104,14 @@ class FreshnessTracker:
             return verdict
         self.num_accepted += 1
         s = self._sources.get(source)
+        # the first report heard from an incarnation may have overtaken earlier ones
+        first_gaps = set(range(max(1, seq - LATE_WINDOW + 1), seq))
         if s is None:
-            self._sources[source] = _Source(incarnation, seq, now_s)
+            self._sources[source] = _Source(incarnation, seq, now_s, gaps=first_gaps)
         elif verdict is Verdict.NEW_INCARNATION:
             s.retired.append(s.incarnation)
             s.incarnation, s.last_seq, s.last_seen_s, s.told_dead = incarnation, seq, now_s, False
-            s.gaps.clear()
+            s.gaps = first_gaps
             self.num_restarts += 1
         elif verdict is Verdict.LATE:
             s.gaps.discard(seq)

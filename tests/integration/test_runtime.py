@@ -149,3 +149,78 @@ def test_too_many_gpus_fails_in_time_and_leaves_nothing(kv) -> None:  # type: ig
     pending = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
     assert len(pending) == 1  # only the running deployment's group
     assert kv.view().gpu_total.num_blocks_total == 1280  # the running one is untouched
+
+
+def test_up_status_top_down_from_other_processes(kv, local_cluster) -> None:  # type: ignore[no-untyped-def]
+    import ray
+
+    cli = [sys.executable, "-m", "kvfold.cli"]
+    where = ["--address", local_cluster.address, "--namespace", "kv-up"]
+    env = dict(os.environ)
+    up = subprocess.run(
+        [
+            *cli,
+            "up",
+            *where,
+            "--world-size",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--num-blocks",
+            "32",
+            "--host-blocks",
+            "0",
+            "--timeout",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert up.returncode == 0, up.stderr[-2000:]
+    assert "kvfold is up in namespace 'kv-up'" in up.stdout
+    # detached: still there after the `up` process exited
+    names = {
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "kv-up"
+    }
+    assert {"kvfold:aggregator", "kvfold:rank:0", "kvfold:rank:1"} <= names
+    top = subprocess.run(
+        [*cli, "top", *where, "--iterations", "2", "--interval", "0.2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert top.returncode == 0, top.stderr[-2000:]
+    assert "cluster v" in top.stdout
+    again = subprocess.run(
+        [*cli, "up", *where, "--world-size", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert again.returncode == 2 and "already running" in again.stderr
+    down = subprocess.run(
+        [*cli, "down", *where], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert down.returncode == 0, down.stderr[-2000:]
+    assert "kvfold:aggregator" in down.stdout
+    wait_until(
+        lambda: (
+            not [
+                a
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == "kv-up"
+            ]
+        ),
+        timeout_s=30,
+    )
+    status = subprocess.run(
+        [*cli, "status", *where], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert status.returncode == 2 and "no kvfold aggregator" in status.stderr
+    assert kv.view().world_size == 10  # the other deployment is untouched
