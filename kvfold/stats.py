@@ -69,10 +69,6 @@ class BlockGauges:
         return self.num_blocks_total - self.num_blocks_used
 
     @property
-    def num_blocks_free_uncached(self) -> int:
-        return self.num_blocks_total - self.num_blocks_used - self.num_blocks_cached
-
-    @property
     def usage(self) -> float:
         """used / total in 0.0-1.0; 0.0 when total is 0."""
         return ratio(self.num_blocks_used, self.num_blocks_total)
@@ -83,18 +79,7 @@ class BlockGauges:
         return 100.0 * ratio(self.num_blocks_free, self.num_blocks_total)
 
     def __add__(self, other: BlockGauges) -> BlockGauges:
-        if self.num_blocks_total == 0 and self.tokens_per_block == 0:
-            tpb = other.tokens_per_block
-        elif other.num_blocks_total == 0 and other.tokens_per_block == 0:
-            tpb = self.tokens_per_block
-        else:
-            tpb = self.tokens_per_block if self.tokens_per_block == other.tokens_per_block else 0
-        return BlockGauges(
-            self.num_blocks_total + other.num_blocks_total,
-            self.num_blocks_used + other.num_blocks_used,
-            self.num_blocks_cached + other.num_blocks_cached,
-            tpb,
-        )
+        return total_of((self, other))
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,19 +187,6 @@ def sum_hosts(values: Iterable[HostStats | None]) -> HostStats:
             for i, x in enumerate(h.as_tuple()):
                 acc[i] += x
     return HostStats(*acc)
-
-
-def count_statuses(statuses: Iterable[SequenceStatus]) -> dict[SequenceStatus, int]:
-    counts = dict.fromkeys(SequenceStatus, 0)
-    for s in statuses:
-        counts[s] += 1
-    return counts
-
-
-def add_status_counts(
-    a: Mapping[SequenceStatus, int], b: Mapping[SequenceStatus, int]
-) -> dict[SequenceStatus, int]:
-    return {s: a.get(s, 0) + b.get(s, 0) for s in SequenceStatus}
 
 
 def sum_status_counts(items: Iterable[Mapping[SequenceStatus, int]]) -> dict[SequenceStatus, int]:

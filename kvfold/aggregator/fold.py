@@ -27,8 +27,6 @@ from kvfold.stats import (
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, NodeUtilization, RankSummary, SourceState
 
-EMPTY = IterationStats({})
-
 
 def fold_node(
     topology: Topology,
@@ -157,4 +155,4 @@ def fold_cluster(
     )
 
 
-__all__ = ["EMPTY", "fold_cluster", "fold_node"]
+__all__ = ["fold_cluster", "fold_node"]

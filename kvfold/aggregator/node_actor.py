@@ -131,13 +131,6 @@ class HostKVActor:
             return self.host.get_packed(window, keys)
 
     @ray.method(concurrency_group="data")
-    def host_lookup(self, window: Window, keys: list[bytes]) -> int:
-        with self.lock:
-            return self.host.lookup(window, keys)
-
-    # ------------------------------------------------------------ transfer self-test
-
-    @ray.method(concurrency_group="data")
     def sink(self, data: np.ndarray) -> int:
         """Receive a plain array (the baseline a rank compares its offload path with)."""
         return int(data.nbytes)

@@ -122,17 +122,6 @@ class BlockPool:
                 else:
                     self.evictable[b] = None
 
-    def drop_key(self, key: bytes) -> bool:
-        """Forget a cached block's key (it becomes free). False if absent or in use."""
-        b = self.key_to_block.get(key)
-        if b is None or self.ref_counts[b] != 0:
-            return False
-        del self.evictable[b]
-        del self.key_to_block[key]
-        self.block_keys[b] = None
-        self.free_unkeyed.append(b)
-        return True
-
     def check_integrity(self, expected_refs: list[int] | None = None) -> None:
         """Raise IntegrityError with the numbers when a state breaks."""
         n = self.num_blocks

@@ -185,9 +185,12 @@ def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untype
     node = 1
     ranks = kv.topology.ranks_on(node)
     r = kv.rank(ranks[0])
+    assert r.add_sequence("cached", list(range(9000, 9033)))  # 8 full blocks, then cached
+    r.free_sequence("cached")
     assert r.add_sequence("n1", list(range(100, 180)), report=True)  # 20 blocks
     wait_until(lambda: kv.view().nodes[node].gpu_total.num_blocks_used == 20)
     before = kv.view()
+    sent_before = r.cumulative().total.offloaded_blocks
     interval = kv.settings.report_interval_s
     t0 = time.monotonic()
     ray.kill(kv.node(node), no_restart=False)
@@ -200,9 +203,13 @@ def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untype
 
     wait_until(lambda: state() is not FRESH, timeout_s=10)
     t_detect = time.monotonic() - t0
-    # its ranks keep working meanwhile
+    # its ranks keep working meanwhile: growing, and evicting (offloads to a tier that is down)
     assert r.append_tokens("n1", list(range(4)))
     assert r.stats().total.num_blocks_used == 21
+    free = 64 - 21  # 35 never used + 8 cached: all 8 cached ones are evicted
+    assert r.add_sequence("evict", list(range(20_000, 20_000 + 4 * free)))
+    assert r.cumulative().total.evicted_blocks >= 8
+    r.free_sequence("evict")
     wait_until(lambda: answers(kv.node(node)), timeout_s=60)
     t_up = time.monotonic() - t0
     wait_until(
@@ -210,11 +217,18 @@ def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untype
     )
     t_fresh = time.monotonic() - t0
     assert seen & {STALE, DEAD}
+    # reports queued during the outage arrive first; the view converges on the ranks' truth
+    wait_until(lambda: kv.view().nodes[node].gpu_total.num_blocks_used == 21, timeout_s=10)
     view = kv.view()
     assert view.nodes[node].gpu_total.num_blocks_used == 21  # counted once, not twice
     assert view.nodes[node].host.num_blocks_used == 0  # the restarted tier is empty
     assert view.gpu_total.num_blocks_total == before.gpu_total.num_blocks_total
     assert view.counters.total.alloc_new_blocks >= before.counters.total.alloc_new_blocks
+    r.report_now()  # settles the offload answers
+    info = r.info()
+    offloaded = r.cumulative().total.offloaded_blocks - sent_before
+    # every evicted block is accounted for: stored by the (new) tier, or dropped and counted
+    assert offloaded + info["host_offload_failures"] + info["host_offload_refused"] == 8
     r.free_sequence("n1", report=True)
     record(
         "node actor dies",

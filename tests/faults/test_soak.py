@@ -90,8 +90,13 @@ def test_soak(kv) -> None:  # type: ignore[no-untyped-def]
     received = sum(n["received"] for n in nodes)
     accepted = sum(n["accepted"] for n in nodes)
     refused = sum(sum(n["refused"].values()) for n in nodes)
-    print("rank verdicts:", {k: sum(r["report_verdicts"].get(k, 0) for r in ranks)
-                             for k in {k for r in ranks for k in r["report_verdicts"]}})
+    print(
+        "rank verdicts:",
+        {
+            k: sum(r["report_verdicts"].get(k, 0) for r in ranks)
+            for k in {k for r in ranks for k in r["report_verdicts"]}
+        },
+    )
     print("node refusals:", [n["refused"] for n in nodes], "failed:", failed)
     assert received == accepted + refused
     assert sent <= received <= sent + failed  # every answered report arrived; none vanished
