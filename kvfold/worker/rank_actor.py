@@ -77,12 +77,12 @@ class NodeHostTier:
         self._pending.append((ref, [(w, int(p.nbytes)) for w, _, p in items]))
         return None
 
-    def settle(self, cache: PagedKVCache) -> None:
-        """Count the offloads the host has answered since the last call (no waiting)."""
+    def settle(self, cache: PagedKVCache, timeout_s: float = 0.0) -> None:
+        """Count the offloads the host has answered (waiting up to `timeout_s` for all)."""
         if not self._pending:
             return
         refs = [p[0] for p in self._pending]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         done = set(ready)
         keep = []
         for ref, blocks in self._pending:
@@ -173,6 +173,15 @@ class RankWorker:
 
     def ping(self) -> int:
         return self.incarnation
+
+    def settle_offloads(self, timeout_s: float = 5.0) -> int:
+        """Wait for the host's answers to every offload sent so far; return how many are
+        still unanswered (0 when all are counted: stored, refused or failed)."""
+        if self.host is None or self.cache is None:
+            return 0
+        with self.lock:
+            self.host.settle(self.cache, timeout_s)
+            return len(self.host._pending)
 
     def stop(self) -> None:
         """Stop reporting (after settling the reports still in flight)."""

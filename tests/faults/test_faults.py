@@ -224,7 +224,7 @@ def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untype
     assert view.nodes[node].host.num_blocks_used == 0  # the restarted tier is empty
     assert view.gpu_total.num_blocks_total == before.gpu_total.num_blocks_total
     assert view.counters.total.alloc_new_blocks >= before.counters.total.alloc_new_blocks
-    r.report_now()  # settles the offload answers
+    assert r.call("settle_offloads", 20.0) == 0  # every offload answered (or failed)
     info = r.info()
     offloaded = r.cumulative().total.offloaded_blocks - sent_before
     # every evicted block is accounted for: stored by the (new) tier, or dropped and counted
@@ -294,14 +294,21 @@ def test_a_node_vanishes(kv, cluster) -> None:  # type: ignore[no-untyped-def]
     t0 = time.monotonic()
     cluster.remove_node(index)
 
+    last: list[object] = []
+
     def dead():  # type: ignore[no-untyped-def]
         try:
             v = kv.view()
-        except AggregatorUnavailable:
+        except AggregatorUnavailable as e:
+            last[:] = [repr(e)]
             return False
+        last[:] = [v.node_states, v.dead_ranks, v.node_age_s]
         return v.node_states[node] is DEAD and gone <= set(v.dead_ranks)
 
-    wait_until(dead, timeout_s=kv.settings.dead_after_s + 15)
+    try:
+        wait_until(dead, timeout_s=kv.settings.dead_after_s + 15)
+    except AssertionError:
+        raise AssertionError(f"node {node} not dead: {last}") from None
     t_dead = time.monotonic() - t0
     view = kv.view()
     assert view.host.num_blocks_total == 2 * 32  # the vanished node's tier is excluded
