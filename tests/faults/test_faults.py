@@ -23,7 +23,7 @@ from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus
 from kvfold.view import SourceState
 from kvfold.worker import KVCacheConfig
 from tests.faults.conftest import record
-from tests.integration.conftest import wait_until
+from tests.integration.conftest import running, wait_until
 
 CACHE = KVCacheConfig(
     tokens_per_block=4,
@@ -38,22 +38,20 @@ FRESH, STALE, DEAD = SourceState.FRESH, SourceState.STALE, SourceState.DEAD
 
 
 @pytest.fixture(scope="module")
-def cluster():  # type: ignore[no-untyped-def]
-    from kvfold.cluster import start_local_cluster
-
-    c = start_local_cluster(num_nodes=3, gpus_per_node=2)
-    yield c
-    c.shutdown()
+def deployment():  # type: ignore[no-untyped-def]
+    # dead after 1.5 s of silence (15 intervals): a node actor's ~2.5 s restart passes through dead
+    with running(3, 2, 6, cache=CACHE, host_num_blocks=32, dead_after_s=1.5) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
-def kv(cluster):  # type: ignore[no-untyped-def]
-    from kvfold.cluster import launch
+def cluster(deployment):  # type: ignore[no-untyped-def]
+    return deployment[0]
 
-    # dead after 1.5 s of silence (15 intervals): a node actor's ~2.5 s restart passes through dead
-    d = launch(6, 2, cache=CACHE, host_num_blocks=32, dead_after_s=1.5)
-    yield d
-    d.shutdown()
+
+@pytest.fixture(scope="module")
+def kv(deployment):  # type: ignore[no-untyped-def]
+    return deployment[1]
 
 
 def stable(view):  # type: ignore[no-untyped-def]

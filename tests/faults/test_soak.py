@@ -17,6 +17,7 @@ import ray
 from kvfold.errors import AggregatorUnavailable
 from kvfold.worker import KVCacheConfig
 from tests.faults.conftest import record
+from tests.integration.conftest import running
 
 SOAK_S = float(os.environ.get("KVFOLD_SOAK_S", "60"))
 WARMUP_S = 10.0
@@ -24,16 +25,11 @@ WARMUP_S = 10.0
 
 @pytest.fixture(scope="module")
 def kv():  # type: ignore[no-untyped-def]
-    from kvfold.cluster import launch, start_local_cluster
-
-    cluster = start_local_cluster(num_nodes=4, gpus_per_node=4)
     cache = KVCacheConfig(
         tokens_per_block=16, num_blocks=256, num_layers=1, num_kv_heads=1, head_dim=8, device="auto"
     )
-    d = launch(16, 4, cache=cache, report_interval_s=0.05)
-    yield d
-    d.shutdown()
-    cluster.shutdown()
+    with running(4, 4, 16, cache=cache, report_interval_s=0.05) as (_, deployment):
+        yield deployment
 
 
 def test_soak(kv) -> None:  # type: ignore[no-untyped-def]

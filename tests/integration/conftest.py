@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -29,3 +31,21 @@ def local_cluster():  # type: ignore[no-untyped-def]
     cluster = start_local_cluster(num_nodes=3, gpus_per_node=4)
     yield cluster
     cluster.shutdown()
+
+
+@contextlib.contextmanager
+def running(
+    num_nodes: int, gpus_per_node: int, world_size: int, **launch_kwargs: Any
+) -> Iterator[tuple[Any, Any]]:
+    """A local cluster with kvfold launched on it, both stopped on the way out."""
+    from kvfold.cluster import launch, start_local_cluster
+
+    cluster = start_local_cluster(num_nodes=num_nodes, gpus_per_node=gpus_per_node)
+    try:
+        deployment = launch(world_size, gpus_per_node, **launch_kwargs)
+        try:
+            yield cluster, deployment
+        finally:
+            deployment.shutdown()
+    finally:
+        cluster.shutdown()

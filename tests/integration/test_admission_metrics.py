@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfold.stats import window_label
 from kvfold.worker import KVCacheConfig
-from tests.integration.conftest import wait_until
+from tests.integration.conftest import running, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -27,21 +27,9 @@ CACHE = KVCacheConfig(
 
 
 @pytest.fixture(scope="module")
-def local_cluster():  # type: ignore[no-untyped-def]
-    from kvfold.cluster import start_local_cluster
-
-    cluster = start_local_cluster(num_nodes=2, gpus_per_node=2)
-    yield cluster
-    cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
-def kv(local_cluster):  # type: ignore[no-untyped-def]
-    from kvfold.cluster import launch
-
-    deployment = launch(4, 2, cache=CACHE, host_num_blocks=256, metrics_port=0)
-    yield deployment
-    deployment.shutdown()
+def kv():  # type: ignore[no-untyped-def]
+    with running(2, 2, 4, cache=CACHE, host_num_blocks=256, metrics_port=0) as (_, deployment):
+        yield deployment
 
 
 def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvfold.worker import KVCacheConfig
-from tests.integration.conftest import wait_until
+from tests.integration.conftest import running, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -25,21 +25,9 @@ PROMPT = list(range(7000, 7000 + 32 * B))  # 32 full blocks
 
 
 @pytest.fixture(scope="module")
-def local_cluster():  # type: ignore[no-untyped-def]
-    from kvfold.cluster import start_local_cluster
-
-    cluster = start_local_cluster(num_nodes=2, gpus_per_node=2)
-    yield cluster
-    cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
-def kv(local_cluster):  # type: ignore[no-untyped-def]
-    from kvfold.cluster import launch
-
-    deployment = launch(4, 2, cache=CACHE, host_num_blocks=HOST_BLOCKS)
-    yield deployment
-    deployment.shutdown()
+def kv():  # type: ignore[no-untyped-def]
+    with running(2, 2, 4, cache=CACHE, host_num_blocks=HOST_BLOCKS) as (_, deployment):
+        yield deployment
 
 
 def host_stats(kv, node: int):  # type: ignore[no-untyped-def]
