@@ -254,16 +254,14 @@ def _gpu(
     return _per_window(rows, name, 4, known, _make_gauges)
 
 
-def _deltas(rows: Any, name: str, known: Collection[Window] | None) -> dict[Window, BlockDeltas]:
-    def make(v: list[int]) -> BlockDeltas:
-        d = BlockDeltas(*v)
-        if d.onboarded_blocks > d.alloc_new_blocks:
-            raise _fail(
-                "bad_field", f"onboarded {d.onboarded_blocks} > alloc_new {d.alloc_new_blocks}"
-            )
-        return d
+def _make_deltas(v: list[int]) -> BlockDeltas:
+    if v[2] > v[0]:  # onboarded > alloc_new: onboarded blocks are new blocks
+        raise _fail("bad_field", f"onboarded {v[2]} > alloc_new {v[0]}")
+    return BlockDeltas(*v)
 
-    return _per_window(rows, name, len(DELTA_FIELDS), known, make)
+
+def _deltas(rows: Any, name: str, known: Collection[Window] | None) -> dict[Window, BlockDeltas]:
+    return _per_window(rows, name, len(DELTA_FIELDS), known, _make_deltas)
 
 
 _STATUSES = tuple(SequenceStatus)
@@ -357,8 +355,7 @@ def decode_rank_report(
 ) -> RankReport:
     """Validate a rank report. `node`: the receiving node (the rank must be on it);
     `windows`: the windows this deployment's caches have."""
-
-    def run() -> RankReport:
+    try:
         msg = _unpack(data, "rank", _RANK_KEYS)
         rank = msg["r"]
         if type(rank) is not int:
@@ -374,12 +371,14 @@ def decode_rank_report(
             incarnation=_int(msg["i"], "incarnation", MAX_ID),
             seq=_int(msg["s"], "seq", MAX_ID),
             gpu=_gpu(msg["g"], "g", windows),
-            deltas=_deltas(msg["d"], "d", windows),
+            deltas=_per_window(msg["d"], "d", len(DELTA_FIELDS), windows, _make_deltas),
             num_sequences_by_status=_status_counts(msg["q"]),
             added_seq_ids=_seq_ids(msg["a"], "a"),
         )
-
-    return _guard(run)  # type: ignore[no-any-return]
+    except ReportError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError, RecursionError) as e:
+        raise _fail("bad_field", f"{type(e).__name__}: {e}"[:200]) from None
 
 
 def decode_node_report(
