@@ -222,11 +222,11 @@ def _per_window(
 ) -> dict[Window, Any]:
     out: dict[Window, Any] = {}
     for i, row in enumerate(_list(rows, name, MAX_WINDOWS)):
-        if type(row) is list and len(row) == width + 1 and _counts_ok(row[1:]):
+        values = row[1:] if type(row) is list and len(row) == width + 1 else None
+        if values is not None and _counts_ok(values):
             w = row[0]
             if not ((w is None or type(w) is int) and known is not None and w in known):
                 w = _window(w, f"{name}[{i}] window", known)
-            values = row[1:]
         else:  # slow path: find and name what is wrong
             row = _list(row, f"{name}[{i}]", width + 1, exact=width + 1)
             w = _window(row[0], f"{name}[{i}] window", known)
