@@ -136,8 +136,24 @@ def encode_node_report(
     util: NodeUtilization,
     incarnation: int,
     seq: int,
-    max_ids_per_rank: int = 32,
+    max_ids_per_rank: int = MAX_ADDED_IDS,
     refused: Mapping[str, int] | None = None,
+) -> bytes:
+    """A node report within MAX_REPORT_BYTES: each rank's recently added ids are kept
+    newest first, as many as fit (halved until the report fits)."""
+    while True:
+        data = _encode_node_report(util, incarnation, seq, max_ids_per_rank, refused)
+        if len(data) <= MAX_REPORT_BYTES or max_ids_per_rank == 0:
+            return data
+        max_ids_per_rank //= 2
+
+
+def _encode_node_report(
+    util: NodeUtilization,
+    incarnation: int,
+    seq: int,
+    max_ids_per_rank: int,
+    refused: Mapping[str, int] | None,
 ) -> bytes:
     ranks = [
         [

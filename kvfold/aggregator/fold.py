@@ -36,12 +36,15 @@ def fold_node(
     freshness: Mapping[int, SourceState],
     counters: Mapping[int, IterationStats] | None = None,
     ages_s: Mapping[int, float] | None = None,
+    added_seq_ids: Mapping[int, tuple[str | int, ...]] | None = None,
 ) -> NodeUtilization:
     """Fold one node's latest rank reports.
 
     freshness[rank] says which ranks count (a rank without an entry is FRESH if
     it has a report, else MISSING). counters[rank] are the rank's cumulative
     deltas as kept by the receiver (default: the latest report's deltas).
+    added_seq_ids[rank]: the ids the rank added recently, as kept by the receiver
+    (default: the latest report's).
     """
     ranks = topology.ranks_on(node)
     on_node = set(ranks)
@@ -74,7 +77,7 @@ def fold_node(
                 gpu=rep.gpu,
                 num_valid_sequences=num_valid(rep.num_sequences_by_status),
                 age_s=(ages_s or {}).get(r, 0.0),
-                added_seq_ids=rep.added_seq_ids,
+                added_seq_ids=(added_seq_ids or {}).get(r, rep.added_seq_ids),
                 report_seq=rep.seq,
             )
         )

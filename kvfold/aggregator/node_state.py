@@ -10,7 +10,7 @@ backwards when a rank restarts.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection
 
 from kvfold.aggregator.fold import fold_node
@@ -23,6 +23,7 @@ from kvfold.view import NodeUtilization, SourceState
 
 ACCEPTED = "accepted"
 NEW = Verdict.NEW_INCARNATION.value
+RECENT_IDS = 256  # recently added sequence ids kept per rank
 LATE = Verdict.LATE.value
 
 
@@ -41,6 +42,9 @@ class NodeState:
         self.windows = None if windows is None else frozenset(windows)
         self.freshness = FreshnessTracker(stale_after_s, dead_after_s)
         self.latest: dict[int, RankReport] = {}
+        # sequence ids each rank added recently, across reports: a scheduler that reads the view
+        # less often than ranks report still sees the ids that settle its reservations
+        self.recent_added: dict[int, deque[str | int]] = {}
         self.counters: dict[int, IterationStats] = {}
         self.refused: Counter[str] = Counter()
         self.num_accepted = 0
@@ -87,6 +91,9 @@ class NodeState:
             return self.refuse(verdict.value)
         if verdict.current:
             self.latest[report.rank] = report
+        if report.added_seq_ids:
+            recent = self.recent_added.setdefault(report.rank, deque(maxlen=RECENT_IDS))
+            recent.extend(report.added_seq_ids)
         old = self.counters.get(report.rank)
         self.counters[report.rank] = IterationStats(
             sum_deltas([old.windows, report.deltas]) if old else dict(report.deltas)
@@ -110,4 +117,5 @@ class NodeState:
             self.rank_states(now_s),
             counters=self.counters,
             ages_s={r: self.freshness.age_s(r, now_s) for r in ranks},
+            added_seq_ids={r: tuple(ids) for r, ids in self.recent_added.items()},
         )

@@ -176,3 +176,23 @@ def test_node_report_refuses_wrong_ranks_and_nodes() -> None:
     bad = dict(msg, h=[1, 5, 0, 0, 0, 0, 0, 0, 0, 0])
     with pytest.raises(ReportError, match="used_exceeds_total"):
         decode_node_report(msgpack.packb(bad), TOPO)
+
+
+def test_node_report_keeps_recent_ids_within_the_size_limit() -> None:
+    from kvfold.aggregator.node_state import NodeState
+
+    topo = Topology(8, 8)
+    state = NodeState(topo, 0, (None,), 1.0, 2.0)
+    for seq in range(1, 4):  # three reports, 100 long ids each, from every rank
+        for r in range(8):
+            ids = tuple(f"{r}-{seq}-" + "x" * 100 + f"-{i}" for i in range(100))
+            rep = make_report(r, incarnation=1, seq=seq, added=ids)
+            assert state.receive(encode_rank_report(rep), 0.0) == "accepted"
+    util = state.fold(0.0, None)
+    assert len(util.ranks[0].added_seq_ids) == 256  # recent ids across reports, not only the last
+    assert util.ranks[0].added_seq_ids[-1] == "0-3-" + "x" * 100 + "-99"
+    data = encode_node_report(util, 1, 1)
+    assert len(data) <= MAX_REPORT_BYTES  # 8 x 256 ids of ~110 chars would be ~230 KiB
+    back = decode_node_report(data, topo).util
+    kept = back.ranks[0].added_seq_ids
+    assert 0 < len(kept) < 256 and kept == util.ranks[0].added_seq_ids[-len(kept) :]  # newest kept
