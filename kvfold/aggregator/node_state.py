@@ -23,7 +23,8 @@ from kvfold.view import NodeUtilization, SourceState
 
 ACCEPTED = "accepted"
 NEW = Verdict.NEW_INCARNATION.value
-RECENT_IDS = 256  # recently added sequence ids kept per rank
+RECENT_IDS = 256  # recently added sequence ids kept per rank, at most
+RECENT_IDS_S = 2.0  # and for at most this long
 LATE = Verdict.LATE.value
 
 
@@ -42,9 +43,10 @@ class NodeState:
         self.windows = None if windows is None else frozenset(windows)
         self.freshness = FreshnessTracker(stale_after_s, dead_after_s)
         self.latest: dict[int, RankReport] = {}
-        # sequence ids each rank added recently, across reports: a scheduler that reads the view
-        # less often than ranks report still sees the ids that settle its reservations
-        self.recent_added: dict[int, deque[str | int]] = {}
+        # sequence ids each rank added in the last RECENT_IDS_S, across reports: a scheduler that
+        # reads the view less often than ranks report still sees the ids that settle its
+        # reservations (bounded in time and count, so memory stays flat)
+        self.recent_added: dict[int, deque[tuple[float, str | int]]] = {}
         self.counters: dict[int, IterationStats] = {}
         self.refused: Counter[str] = Counter()
         self.num_accepted = 0
@@ -93,7 +95,7 @@ class NodeState:
             self.latest[report.rank] = report
         if report.added_seq_ids:
             recent = self.recent_added.setdefault(report.rank, deque(maxlen=RECENT_IDS))
-            recent.extend(report.added_seq_ids)
+            recent.extend((now_s, sid) for sid in report.added_seq_ids)
         old = self.counters.get(report.rank)
         self.counters[report.rank] = IterationStats(
             sum_deltas([old.windows, report.deltas]) if old else dict(report.deltas)
@@ -117,5 +119,13 @@ class NodeState:
             self.rank_states(now_s),
             counters=self.counters,
             ages_s={r: self.freshness.age_s(r, now_s) for r in ranks},
-            added_seq_ids={r: tuple(ids) for r, ids in self.recent_added.items()},
+            added_seq_ids=self._recent_ids(now_s),
         )
+
+    def _recent_ids(self, now_s: float) -> dict[int, tuple[str | int, ...]]:
+        out = {}
+        for rank, recent in self.recent_added.items():
+            while recent and recent[0][0] < now_s - RECENT_IDS_S:
+                recent.popleft()
+            out[rank] = tuple(sid for _, sid in recent)
+        return out
