@@ -36,6 +36,7 @@ class ClusterAggregator:
         dead_after_s: float,
         metrics_host: str = "127.0.0.1",
         metrics_port: int | None = None,
+        ray_node_ids: list[str] | None = None,
     ) -> None:
         self.topology = Topology.from_mapping(rank_to_node)
         self.namespace = namespace
@@ -53,6 +54,7 @@ class ClusterAggregator:
         self._stop = threading.Event()
         self._last_probe_s = 0.0
         self.admission: dict[str, dict[tuple[str, str], int]] = {}
+        self.ray_node_ids = list(ray_node_ids or [])  # where each kvfold node's actor lives
         self.metrics_address: tuple[str, int] | None = None
         if metrics_port is not None:
             self._serve_metrics(metrics_host, metrics_port)
@@ -184,8 +186,18 @@ class ClusterAggregator:
         if now - self._last_probe_s < self.report_interval_s * 5:
             return
         self._last_probe_s = now
-        for node, state in enumerate(view.node_states):
-            if state not in (SourceState.STALE, SourceState.MISSING):
+        silent = [
+            n
+            for n, s in enumerate(view.node_states)
+            if s in (SourceState.STALE, SourceState.MISSING)
+        ]
+        if not silent:
+            return
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if self.ray_node_ids else set()
+        for node in silent:
+            if node < len(self.ray_node_ids) and self.ray_node_ids[node] not in alive:
+                with self.cond:  # its machine is gone: so are its actor and its ranks
+                    self.state.mark_dead(node)
                 continue
             try:
                 handle = ray.get_actor(node_actor_name(node), namespace=self.namespace)

@@ -125,10 +125,13 @@ class FreshnessTracker:
         return verdict
 
     def mark_dead(self, source: Hashable) -> None:
-        """Ray says the source's actor is dead: DEAD until a new incarnation reports."""
+        """Ray says the source's actor (or its machine) is dead: DEAD until a new incarnation
+        reports. A source never heard from is recorded dead too, not left missing."""
         s = self._sources.get(source)
-        if s is not None:
-            s.told_dead = True
+        if s is None:
+            self._sources[source] = _Source(incarnation=-1, last_seq=0, last_seen_s=float("-inf"))
+            s = self._sources[source]
+        s.told_dead = True
 
     def forget(self, source: Hashable) -> None:
         self._sources.pop(source, None)

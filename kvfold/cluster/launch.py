@@ -225,6 +225,7 @@ def launch(
                 **fresh,
                 metrics_host=metrics_host,
                 metrics_port=metrics_port,
+                ray_node_ids=node_ids,
             )
         )
         actors.append(aggregator)

@@ -105,3 +105,11 @@ def test_node_state_counts_every_report_and_refuses_impostors() -> None:
         "rank_not_on_node": 1,
         "bad_msgpack": 1,
     }
+
+
+def test_a_source_never_heard_from_can_be_told_dead() -> None:
+    f = FreshnessTracker(1.0, 2.0)
+    f.mark_dead("n2")  # e.g. its machine is gone before this aggregator ever heard from it
+    assert f.state("n2", 0.0) is SourceState.DEAD
+    assert f.observe("n2", 5, 1, 0.1) is Verdict.NEW_INCARNATION  # it may still come back
+    assert f.state("n2", 0.1) is SourceState.FRESH
