@@ -15,9 +15,10 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
 
-from kvfold.aggregator.cluster_state import ACCEPTED, NEW, ClusterState
+from kvfold.aggregator.client import incarnation_of, is_gone
+from kvfold.aggregator.cluster_state import ClusterState
+from kvfold.aggregator.receiver import ACCEPTED
 from kvfold.naming import node_actor_name
 from kvfold.stats import Window
 from kvfold.topology import Topology
@@ -110,27 +111,15 @@ class ClusterAggregator:
     def node_report(self, data: bytes) -> str:
         """A node's report: "accepted", or the reason it was refused (counted).
         One thread takes reports, in the order each node sent them."""
-        with self.cond:
-            report, verdict = self.state.check(data)
-        if report is None:
-            return verdict
-        if verdict == NEW and not self._verify_node(report.node, report.incarnation):
+        verdict = self.state.receive(data, time.monotonic, self._verify_node, self.cond)
+        if verdict == ACCEPTED:
             with self.cond:
-                return self.state.refuse("identity_mismatch")
-        with self.cond:
-            verdict = self.state.apply(report, time.monotonic())
-            if verdict == ACCEPTED:
                 self._refresh()
         return verdict
 
     def _verify_node(self, node: int, incarnation: int) -> bool:
         """Ask the named node actor itself whether it is in that incarnation."""
-        try:
-            handle = ray.get_actor(node_actor_name(node), namespace=self.namespace)
-            answer: Any = ray.get(handle.ping.remote(), timeout=2.0)
-            return answer == incarnation
-        except (ValueError, RayActorError, GetTimeoutError):
-            return False
+        return incarnation_of(node_actor_name(node), self.namespace, 2.0) == incarnation
 
     def _refresh(self) -> ClusterView:
         """Rebuild the view if anything changed; wake waiters on a new version. Holds cond."""
@@ -199,14 +188,9 @@ class ClusterAggregator:
                 with self.cond:  # its machine is gone: so are its actor and its ranks
                     self.state.mark_dead(node)
                 continue
-            try:
-                handle = ray.get_actor(node_actor_name(node), namespace=self.namespace)
-                ray.get(handle.ping.remote(), timeout=self.report_interval_s)
-            except (ValueError, RayActorError):
+            if is_gone(node_actor_name(node), self.namespace, self.report_interval_s):
                 with self.cond:
                     self.state.mark_dead(node)
-            except GetTimeoutError:
-                pass
 
     def _tick_loop(self) -> None:
         while not self._stop.wait(self.report_interval_s / 2):

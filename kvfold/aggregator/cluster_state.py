@@ -13,21 +13,18 @@ life are kept in a base, so the cluster's counters never go backwards.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 from kvfold.aggregator.fold import fold_cluster
-from kvfold.aggregator.freshness import FreshnessTracker, Verdict
+from kvfold.aggregator.freshness import Verdict
+from kvfold.aggregator.receiver import ACCEPTED, ReportReceiver
 from kvfold.codec import NodeReport, decode_node_report
-from kvfold.errors import ReportError
 from kvfold.stats import IterationStats, Window, sum_deltas
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, NodeUtilization, SourceState
 
-ACCEPTED = "accepted"
-NEW = Verdict.NEW_INCARNATION.value
 
-
-class ClusterState:
+class ClusterState(ReportReceiver[NodeReport]):
     def __init__(
         self,
         topology: Topology,
@@ -36,49 +33,26 @@ class ClusterState:
         dead_after_s: float,
         version_base: int = 0,
     ) -> None:
+        super().__init__(stale_after_s, dead_after_s)  # self.refused: node reports refused here
         self.topology = topology
         self.windows = None if windows is None else frozenset(windows)
-        self.freshness = FreshnessTracker(stale_after_s, dead_after_s)
         self.nodes: dict[int, NodeUtilization] = {}
         self.counters_base: dict[int, IterationStats] = {}
-        self.refused: Counter[str] = Counter()  # node reports refused here
         self.node_refused: dict[int, dict[str, int]] = {}  # rank reports refused at each node
         self.node_refused_base: Counter[str] = Counter()  # from nodes' earlier incarnations
-        self.num_accepted = 0
         self.version = version_base
         self._changed = True
         self._states: tuple[SourceState, ...] = ()
         self._view: ClusterView | None = None
 
-    def receive(
-        self, data: bytes, now_s: float, verify: Callable[[int, int], bool] | None = None
-    ) -> str:
-        """Take one node report: "accepted" or why it was refused (counted).
-        verify(node, incarnation) is asked before a new incarnation is believed."""
-        report, verdict = self.check(data)
-        if report is None:
-            return verdict
-        if verdict == NEW and verify is not None and not verify(report.node, report.incarnation):
-            return self.refuse("identity_mismatch")
-        return self.apply(report, now_s)
+    def _decode(self, data: bytes) -> NodeReport:
+        return decode_node_report(data, self.topology, self.windows)
 
-    def refuse(self, reason: str) -> str:
-        self.refused[reason] += 1
-        return reason
+    def identity(self, report: NodeReport) -> tuple[int, int, int]:
+        return report.node, report.incarnation, report.seq
 
-    def check(self, data: bytes) -> tuple[NodeReport | None, str]:
-        try:
-            report = decode_node_report(data, self.topology, self.windows)
-        except ReportError as e:
-            return None, self.refuse(e.reason)
-        return report, self.freshness.check(report.node, report.incarnation, report.seq).value
-
-    def apply(self, report: NodeReport, now_s: float) -> str:
-        verdict = self.freshness.observe(report.node, report.incarnation, report.seq, now_s)
-        if not verdict.accepted:
-            return self.refuse(verdict.value)
+    def _fold(self, report: NodeReport, verdict: Verdict, now_s: float) -> str:
         if not verdict.current:  # late: a node report is a snapshot, a newer one is in
-            self.num_accepted += 1
             return verdict.value
         old = self.nodes.get(report.node)
         if verdict is Verdict.NEW_INCARNATION and old is not None:
@@ -88,7 +62,6 @@ class ClusterState:
             self.node_refused_base.update(self.node_refused.get(report.node, {}))
         self.node_refused[report.node] = dict(report.refused)
         self.nodes[report.node] = report.util
-        self.num_accepted += 1
         self._changed = True
         return ACCEPTED
 
@@ -101,9 +74,6 @@ class ClusterState:
         out = {("aggregator", r): c for r, c in self.refused.items()}
         out.update({("node", r): c for r, c in nodes.items()})
         return out
-
-    def mark_dead(self, node: int) -> None:
-        self.freshness.mark_dead(node)
 
     def node_states(self, now_s: float) -> tuple[SourceState, ...]:
         return tuple(self.freshness.state(n, now_s) for n in range(self.topology.num_nodes))

@@ -16,10 +16,12 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import RayActorError, RayError
 
+from kvfold.aggregator.client import incarnation_of, is_gone
 from kvfold.aggregator.host_kv import HostKVPool
-from kvfold.aggregator.node_state import ACCEPTED, LATE, NEW, NodeState
+from kvfold.aggregator.node_state import NodeState
+from kvfold.aggregator.receiver import ACCEPTED, LATE
 from kvfold.codec import encode_node_report
 from kvfold.naming import AGGREGATOR_NAME, rank_actor_name
 from kvfold.stats import HostStats, Window
@@ -70,32 +72,20 @@ class HostKVActor:
 
     @ray.method(concurrency_group="reports")
     def report(self, data: bytes) -> str:
-        """A rank's report: "accepted", or the reason it was refused (counted).
+        """A rank's report: "accepted", "late", or the reason it was refused (counted).
 
-        Runs in a one-thread concurrency group, so a rank's reports are taken in the
-        order it sent them (Ray keeps one caller's calls in order; a thread pool would not).
+        Runs in a one-thread concurrency group, so reports are taken one at a time; the
+        few that still arrive out of order are folded as late (docs/decisions.md).
         """
-        with self.lock:
-            report, verdict = self.state.check(data)
-        if report is None:
-            return verdict
-        if verdict == NEW and not self._verify_rank(report.rank, report.incarnation):
-            with self.lock:
-                return self.state.refuse("identity_mismatch")
-        with self.lock:
-            verdict = self.state.apply(report, time.monotonic())
+        verdict = self.state.receive(data, time.monotonic, self._verify_rank, self.lock)
         if verdict in (ACCEPTED, LATE):
             self._wake.set()
         return verdict
 
     def _verify_rank(self, rank: int, incarnation: int) -> bool:
         """Ask the named rank actor itself whether it is in that incarnation."""
-        try:
-            handle = ray.get_actor(rank_actor_name(rank), namespace=self.namespace)
-            answer: Any = ray.get(handle.ping.remote(), timeout=VERIFY_TIMEOUT_S)
-            return answer == incarnation
-        except (ValueError, RayActorError, GetTimeoutError):
-            return False
+        name = rank_actor_name(rank)
+        return incarnation_of(name, self.namespace, VERIFY_TIMEOUT_S) == incarnation
 
     def _check_geometry(self, geometry: Any) -> bool:
         if self.geometry and tuple(geometry) != self.geometry:
@@ -217,14 +207,9 @@ class HostKVActor:
         for r in util.ranks:
             if r.state not in (SourceState.STALE, SourceState.MISSING):
                 continue
-            try:
-                handle = ray.get_actor(rank_actor_name(r.rank), namespace=self.namespace)
-                ray.get(handle.ping.remote(), timeout=self.report_interval_s)
-            except (ValueError, RayActorError):
+            if is_gone(rank_actor_name(r.rank), self.namespace, self.report_interval_s):
                 with self.lock:
                     self.state.mark_dead(r.rank)
-            except GetTimeoutError:
-                pass  # busy or restarting: freshness decides
 
     def _push_loop(self) -> None:
         while not self._stop.is_set():

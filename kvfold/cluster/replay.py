@@ -71,14 +71,19 @@ def replay(
     tpb = kv.settings.cache.tokens_per_block if kv.settings.cache else 16
     arrivals = sorted(workload, key=lambda r: r.arrival_s)
     by_id = {r.request_id: r for r in arrivals}
-    tpb_keys = tpb if config.prefix_affinity else 0
+    asked: dict[str, AdmissionRequest] = {}  # built (prefix keys hashed) once per request
 
     def to_request(req: TraceRequest) -> AdmissionRequest:
-        keys = tuple(block_keys(req.prompt, tpb_keys)) if tpb_keys else ()
-        return AdmissionRequest(req.request_id, req.prompt_tokens, req.max_new_tokens, keys)
+        made = asked.get(req.request_id)
+        if made is None:
+            keys = tuple(block_keys(req.prompt, tpb)) if config.prefix_affinity else ()
+            made = AdmissionRequest(req.request_id, req.prompt_tokens, req.max_new_tokens, keys)
+            asked[req.request_id] = made
+        return made
 
     pending: FifoAdmissionQueue[TraceRequest] = FifoAdmissionQueue(to_request)
-    queued_once: set[str] = set()
+    arrived_step: dict[str, int] = {}  # the step each waiting request arrived in
+    step = 0
     in_flight: dict[str, int] = {}
     next_arrival = 0
     start = time.monotonic()
@@ -86,10 +91,12 @@ def replay(
     last_sample = float("-inf")
     handles = kv.rank_handles
     while True:
+        step += 1
         wall = time.monotonic() - start
         trace_now = wall * config.time_scale
         while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= trace_now:
             pending.push(arrivals[next_arrival])
+            arrived_step[arrivals[next_arrival].request_id] = step
             next_arrival += 1
         controller.refresh()
         admits: dict[int, list[tuple[Any, Any, int, None]]] = {}
@@ -98,6 +105,9 @@ def replay(
             if d.outcome is Outcome.QUEUE:
                 rec.queue_decisions += 1
                 continue
+            del asked[req.request_id]  # decided (a rank may still refuse it: then built again)
+            if arrived_step.pop(req.request_id, step) < step:
+                rec.ever_queued += 1  # it waited at least one step
             if d.outcome is Outcome.REJECT:
                 rec.rejected += 1
                 continue
@@ -108,10 +118,6 @@ def replay(
                 (req.request_id, req.prompt, req.max_new_tokens, None)
             )
             in_flight[req.request_id] = d.rank
-        for req in pending:  # everything still waiting after the pass has been queued
-            if req.request_id not in queued_once:
-                queued_once.add(req.request_id)
-                rec.ever_queued += 1
         decode = max(1, round(config.decode_tokens_per_s * (trace_now - last_trace)))
         last_trace = trace_now
         refs = [h.engine_step.remote(admits.get(r, []), decode) for r, h in enumerate(handles)]

@@ -90,7 +90,9 @@ def _incarnation(kv, rank: int) -> int | None:  # type: ignore[no-untyped-def]
         return None
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
+@pytest.mark.skipif(
+    not TRACE.exists(), reason=f"needs the shared trace at {TRACE} (beside the checkout; CI has it)"
+)
 def test_mooncake_replay_never_over_commits(kv, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from kvfold.cluster.replay import ReplayConfig, replay
     from kvfold.workload.traces import load_mooncake

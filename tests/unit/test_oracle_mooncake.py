@@ -63,7 +63,9 @@ class OfflineLRU:
         return hits, n - hits
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
+@pytest.mark.skipif(
+    not TRACE.exists(), reason=f"needs the shared trace at {TRACE} (beside the checkout; CI has it)"
+)
 def test_first_500_requests_match_offline_lru_to_the_block() -> None:
     import json
 

@@ -59,7 +59,10 @@ def test_shared_prefix_workload_is_deterministic_and_shares() -> None:
     assert k0[:16] == k1[:16]  # at least 256 shared tokens
 
 
-@pytest.mark.skipif(not (TRACES / "synthetic_trace.jsonl").exists(), reason="traces absent")
+@pytest.mark.skipif(
+    not (TRACES / "synthetic_trace.jsonl").exists(),
+    reason=f"needs the shared traces beside the checkout ({TRACES}); CI has them",
+)
 def test_mooncake_prefix_sharing_is_exact_at_any_block_size() -> None:
     reqs = load_mooncake(TRACES / "synthetic_trace.jsonl", limit=200)
     assert reqs[0].prompt_tokens == 40160 and reqs[0].arrival_s == 0.0
@@ -69,7 +72,10 @@ def test_mooncake_prefix_sharing_is_exact_at_any_block_size() -> None:
         assert ka[0] != kb[0]  # different first hash ids share nothing
 
 
-@pytest.mark.skipif(not (TRACES / "AzureLLMInferenceTrace_code.csv").exists(), reason="absent")
+@pytest.mark.skipif(
+    not (TRACES / "AzureLLMInferenceTrace_code.csv").exists(),
+    reason=f"needs the shared traces beside the checkout ({TRACES}); CI has them",
+)
 def test_azure_loader() -> None:
     reqs = load_azure(TRACES / "AzureLLMInferenceTrace_code.csv", limit=3)
     assert [(r.prompt_tokens, r.max_new_tokens) for r in reqs] == [(4808, 10), (3180, 8), (110, 27)]
