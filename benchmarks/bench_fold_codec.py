@@ -24,8 +24,8 @@ def rank_report(rank: int) -> RankReport:
         seq=123_456,
         gpu={None: BlockGauges(40_000, 12_345, 2_000, 16), 4096: BlockGauges(40_000, 999, 50, 16)},
         deltas={
-            None: BlockDeltas(12, 30, 4, 4 * 262144, 8, 3, 1, 2, 2 * 262144),
-            4096: BlockDeltas(3, 0, 0, 0, 3, 1),
+            None: BlockDeltas(13, 12, 30, 4, 4 * 262144, 8, 3, 1, 2, 2 * 262144),
+            4096: BlockDeltas(3, 3, 0, 0, 0, 3, 1),
         },
         num_sequences_by_status={s: 7 * i for i, s in enumerate(SequenceStatus)},
         added_seq_ids=("req-000123", "req-000124"),

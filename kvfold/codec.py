@@ -2,10 +2,10 @@
 
 Rank report (rank -> its node's host-KV actor):
 
-    {"v": 1, "t": "rank", "r": rank, "i": incarnation, "s": seq,
+    {"v": 2, "t": "rank", "r": rank, "i": incarnation, "s": seq,
      "g": None | [[window, total, used, cached, tokens_per_block], ...],   # None: cache unbound
-     "d": [[window, alloc_new, reused, onboarded, onboarded_bytes, missed,
-            gen_alloc, evicted, offloaded, offloaded_bytes], ...],
+     "d": [[window, alloc_total, alloc_new, reused, onboarded, onboarded_bytes, missed,
+            gen_alloc, evicted, offloaded, offloaded_bytes], ...],   # stats.DELTA_FIELDS
      "q": [queueing, in_prefill, prefilled, in_decode, on_hold, completed],
      "a": [seq ids added since the previous report]}
 
@@ -39,7 +39,7 @@ from kvfold.stats import (
 from kvfold.topology import Topology
 from kvfold.view import NodeUtilization, RankSummary, SourceState
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: alloc_total_blocks travels; alloc_new means TensorRT-LLM's
 MAX_REPORT_BYTES = 64 * 1024
 MAX_WINDOWS = 16
 MAX_ADDED_IDS = 256
@@ -70,21 +70,7 @@ _STATE_CODES = {s.value: s for s in SourceState}
 
 
 def _delta_rows(values: Mapping[Window, BlockDeltas]) -> list[list[Any]]:
-    return [
-        [
-            w,
-            d.alloc_new_blocks,
-            d.reused_blocks,
-            d.onboarded_blocks,
-            d.onboarded_bytes,
-            d.missed_blocks,
-            d.gen_alloc_blocks,
-            d.evicted_blocks,
-            d.offloaded_blocks,
-            d.offloaded_bytes,
-        ]
-        for w, d in values.items()
-    ]
+    return [[w, *d.as_tuple()] for w, d in values.items()]
 
 
 def _gauges(g: Mapping[Window, BlockGauges] | None) -> list[list[Any]] | None:
@@ -270,9 +256,17 @@ def _gpu(
     return _per_window(rows, name, 4, known, _make_gauges)
 
 
+_ALLOC_TOTAL = DELTA_FIELDS.index("alloc_total_blocks")
+_ALLOC_NEW = DELTA_FIELDS.index("alloc_new_blocks")
+_ONBOARDED = DELTA_FIELDS.index("onboarded_blocks")
+
+
 def _make_deltas(v: list[int]) -> BlockDeltas:
-    if v[2] > v[0]:  # onboarded > alloc_new: onboarded blocks are new blocks
-        raise _fail("bad_field", f"onboarded {v[2]} > alloc_new {v[0]}")
+    total = v[_ALLOC_TOTAL]
+    if v[_ALLOC_NEW] > total:  # alloc_new counts a subset of the taken blocks
+        raise _fail("bad_field", f"alloc_new {v[_ALLOC_NEW]} > alloc_total {total}")
+    if v[_ONBOARDED] > total:  # onboarded blocks are taken blocks
+        raise _fail("bad_field", f"onboarded {v[_ONBOARDED]} > alloc_total {total}")
     return BlockDeltas(*v)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import TypeAlias
 
 Window: TypeAlias = int | None
@@ -84,9 +85,14 @@ class BlockGauges:
 
 @dataclass(frozen=True, slots=True)
 class BlockDeltas:
-    """Counts for one window over one interval (or a sum of intervals/windows)."""
+    """Counts for one window over one interval (or a sum of intervals/windows).
 
-    alloc_new_blocks: int = 0  # taken from the free pool (fresh or by eviction)
+    The allocation counters mean what TensorRT-LLM's `getFreeBlock` counts:
+    alloc_total = alloc_new + evicted, and a prefix-cache hit is not an allocation.
+    """
+
+    alloc_total_blocks: int = 0  # taken from the free list: never used, or by eviction
+    alloc_new_blocks: int = 0  # of those, blocks that held no cached content
     reused_blocks: int = 0  # prompt blocks found in this rank's prefix cache
     onboarded_blocks: int = 0  # prompt blocks copied in from the host tier
     onboarded_bytes: int = 0
@@ -95,10 +101,6 @@ class BlockDeltas:
     evicted_blocks: int = 0  # cached blocks whose key was dropped for room
     offloaded_blocks: int = 0  # blocks copied out to the host tier
     offloaded_bytes: int = 0
-
-    @property
-    def alloc_total_blocks(self) -> int:
-        return self.alloc_new_blocks + self.reused_blocks
 
     @property
     def hit_rate(self) -> float:
@@ -115,23 +117,14 @@ class BlockDeltas:
         return BlockDeltas(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
 
     def as_tuple(self) -> tuple[int, ...]:
-        return (
-            self.alloc_new_blocks,
-            self.reused_blocks,
-            self.onboarded_blocks,
-            self.onboarded_bytes,
-            self.missed_blocks,
-            self.gen_alloc_blocks,
-            self.evicted_blocks,
-            self.offloaded_blocks,
-            self.offloaded_bytes,
-        )
+        return _delta_values(self)  # type: ignore[no-any-return]
 
     def is_zero(self) -> bool:
         return not any(self.as_tuple())
 
 
 DELTA_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlockDeltas))
+_delta_values = attrgetter(*DELTA_FIELDS)
 GAUGE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlockGauges))
 
 
@@ -279,21 +272,11 @@ class HostStats:
         return HostStats(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
 
     def as_tuple(self) -> tuple[int, ...]:
-        return (
-            self.num_blocks_total,
-            self.num_blocks_used,
-            self.num_blocks_evictable,
-            self.offloaded_blocks,
-            self.offloaded_bytes,
-            self.onboarded_blocks,
-            self.onboarded_bytes,
-            self.dropped_blocks,
-            self.evicted_blocks,
-            self.refused_blocks,
-        )
+        return _host_values(self)  # type: ignore[no-any-return]
 
 
 HOST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HostStats))
+_host_values = attrgetter(*HOST_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)

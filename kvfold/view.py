@@ -126,19 +126,6 @@ class NodeUtilization:
         """Free GPU blocks of each fresh rank, summed over windows."""
         return {r.rank: r.num_blocks_free for r in self.ranks if r.state is SourceState.FRESH}
 
-    # seed-compatible names
-    @property
-    def node_rank_start(self) -> int:
-        return self.rank_start
-
-    @property
-    def node_rank_end(self) -> int:
-        return self.rank_end
-
-
-HostKVUtilization = NodeUtilization
-"""The seed's name for a node's folded view."""
-
 
 @dataclass(frozen=True, slots=True)
 class ClusterView:

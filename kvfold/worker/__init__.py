@@ -2,8 +2,9 @@
 
 from kvfold.stats import SequenceStatus
 from kvfold.worker.block_pool import BlockPool
-from kvfold.worker.cache import HostTier, PagedKVCache
+from kvfold.worker.cache import PagedKVCache
 from kvfold.worker.config import KVCacheConfig
 from kvfold.worker.hashing import block_keys
+from kvfold.worker.host_path import HostTier
 
 __all__ = ["BlockPool", "HostTier", "KVCacheConfig", "PagedKVCache", "SequenceStatus", "block_keys"]

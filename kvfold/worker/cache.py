@@ -19,9 +19,9 @@ lack of room returns False. Counters are interval deltas handed out by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,23 +39,11 @@ from kvfold.stats import (
 from kvfold.worker.block_pool import BlockPool
 from kvfold.worker.config import KVCacheConfig
 from kvfold.worker.hashing import Hasher, TokenIds, as_token_array, extend_keys, new_hasher
+from kvfold.worker.host_path import HostLink, HostTier
 from kvfold.worker.storage import KVStorage
+from kvfold.worker.trtllm import trtllm_stats
 
 SeqId = str | int
-
-
-class HostTier(Protocol):
-    """The node's host KV tier as a rank sees it (a seam: real client or in-memory fake)."""
-
-    def fetch(self, window: Window, keys: Sequence[bytes]) -> list[np.ndarray]:
-        """Payloads of the leading keys the tier holds, in order; stops at the first miss."""
-        ...
-
-    def offload_many(self, items: list[tuple[Window, bytes, np.ndarray]]) -> list[bool] | None:
-        """Offer evicted blocks (window, key, bytes), in one go. A list: whether each was
-        stored (False: tier off, full, already held); None: sent, answers pending: the
-        tier calls `PagedKVCache.record_offload` for each block the host stored."""
-        ...
 
 
 class _Counts:
@@ -63,6 +51,7 @@ class _Counts:
 
     __slots__ = DELTA_FIELDS
 
+    alloc_total_blocks: int
     alloc_new_blocks: int
     reused_blocks: int
     onboarded_blocks: int
@@ -124,38 +113,26 @@ class PagedKVCache:
         self._committed = {w: BlockDeltas() for w in self.windows}  # cumulative
         self._released_refs = dict.fromkeys(self.windows, 0)  # cumulative, for integrity
         self._evicted_committed = dict.fromkeys(self.windows, 0)
-        self.host_tier: HostTier | None = None
-        self._offload_buffer: list[tuple[Window, bytes, np.ndarray]] = []
+        self.host: HostLink | None = None
         self.set_host_tier(host_tier)
 
     # ----------------------------------------------------------------- host tier
 
     def set_host_tier(self, host_tier: HostTier | None) -> None:
         """Attach (or detach with None) the node's host tier: evictions offload to it,
-        prompt misses onboard from it."""
-        self.host_tier = host_tier
+        prompt misses onboard from it (kvfold.worker.host_path)."""
+        self.host = None if host_tier is None else HostLink(host_tier, self.storage)
         for w, pool in self.pools.items():
-            pool.evict_listener = None if host_tier is None else self._offloader(w)
+            pool.evict_listener = None if self.host is None else self.host.copier(w)
 
-    def _offloader(self, window: Window) -> Callable[[int, bytes], None]:
-        """Copy an evicted block's bytes out before its block is reused; sent in one
-        batch when the operation that evicted it ends (`_flush_offloads`)."""
-
-        def offload(block: int, key: bytes) -> None:
-            if self.host_tier is not None:
-                self._offload_buffer.append((window, key, self.storage.read_block(window, block)))
-
-        return offload
+    @property
+    def host_tier(self) -> HostTier | None:
+        return None if self.host is None else self.host.tier
 
     def _flush_offloads(self) -> None:
-        items, self._offload_buffer = self._offload_buffer, []
-        if not items or self.host_tier is None:
-            return
-        stored = self.host_tier.offload_many(items)
-        if stored is not None:
-            for (window, _, payload), ok in zip(items, stored, strict=True):
-                if ok:
-                    self.record_offload(window, int(payload.nbytes))
+        if self.host is not None:
+            for window, nbytes in self.host.flush():
+                self.record_offload(window, nbytes)
 
     def record_offload(self, window: Window, nbytes: int, num_blocks: int = 1) -> None:
         """Count blocks the host tier confirmed it stored (for tiers that answer later)."""
@@ -179,8 +156,12 @@ class PagedKVCache:
     ) -> bool:
         """Allocate a prompt with prefix reuse; status becomes IN_PREFILL.
 
-        Returns False (nothing changed) when some window pool lacks room.
-        A QUEUEING sequence may be added; any other existing id is an error.
+        Per window: blocks cached on this rank are attached (reused), then the
+        blocks the node's host tier holds are copied into taken blocks
+        (onboarded), then the rest is taken and left for the engine to compute
+        (missed). Returns False (nothing changed) when some window pool lacks
+        room. A QUEUEING sequence may be added; any other existing id is an error.
+        The host tier is asked before anything changes; its failures are misses.
         """
         _check_seq_id(seq_id)
         old = self._seqs.get(seq_id)
@@ -195,25 +176,30 @@ class PagedKVCache:
         num_logical = _ceil_div(L, B)
         reuse = self.config.enable_prefix_reuse
         keys = extend_keys(hasher, tokens, B) if reuse else []
-        limit = (L - 1) // B  # reusable blocks: the last token is always computed
+        limit = min((L - 1) // B, len(keys))  # reusable blocks: the last token is computed
 
         plans: list[tuple[Window, BlockPool, int, list[int], int]] = []
         for w, pool in self.pools.items():
             first = 0 if w is None else max(0, L - w) // B
             hits: list[int] = []
-            if reuse:
-                lookup = pool.key_to_block.get
-                for i in range(first, limit):
-                    b = lookup(keys[i])
-                    if b is None:
-                        break
-                    hits.append(b)
+            lookup = pool.key_to_block.get
+            for i in range(first, limit):
+                b = lookup(keys[i])
+                if b is None:
+                    break
+                hits.append(b)
             num_new = num_logical - first - len(hits)
             refs = pool.ref_counts
             revived = sum(1 for b in hits if refs[b] == 0)
             if num_new + revived > pool.num_free:
                 return False
             plans.append((w, pool, first, hits, num_new))
+
+        onboard: dict[Window, list[np.ndarray]] = {}
+        if self.host is not None:
+            for w, _, first, hits, _ in plans:
+                start = first + len(hits)
+                onboard[w] = self.host.fetch(w, keys[start:limit])
 
         seq = _Sequence(seq_id, hasher, SequenceStatus.IN_PREFILL, num_tokens=L)
         if reuse:
@@ -222,18 +208,19 @@ class PagedKVCache:
         for w, pool, first, hits, num_new in plans:
             for b in hits:
                 pool.attach(b)
-            new = pool.take(num_new)
-            assert new is not None  # room was checked above
-            start = first + len(hits)
-            num_onboarded = self._onboard(w, keys, start, min(limit, len(keys)), new)
+            new = self._take(w, pool, num_new)
+            payloads = onboard.get(w, [])
+            for block, payload in zip(new, payloads, strict=False):
+                self.storage.write_block(w, block, payload)
             if reuse:
-                pool.set_keys(new, keys[start:])
+                pool.set_keys(new, keys[first + len(hits) :])
             seq.tables[w] = hits + new
             seq.first[w] = first
             c = self._pending[w]
             c.reused_blocks += len(hits)
-            c.alloc_new_blocks += num_new
-            c.missed_blocks += num_new - num_onboarded
+            c.onboarded_blocks += len(payloads)
+            c.onboarded_bytes += sum(int(p.nbytes) for p in payloads)
+            c.missed_blocks += num_new - len(payloads)
         if old is not None:
             self._status_counts[SequenceStatus.QUEUEING] -= 1
         self._seqs[seq_id] = seq
@@ -241,20 +228,16 @@ class PagedKVCache:
         self._flush_offloads()
         return True
 
-    def _onboard(
-        self, window: Window, keys: list[bytes], start: int, stop: int, new: list[int]
-    ) -> int:
-        """Copy blocks keys[start:stop] found in the host tier into `new`; return how many."""
-        tier = self.host_tier
-        if tier is None or start >= stop:
-            return 0
-        payloads = tier.fetch(window, keys[start:stop])
+    def _take(self, window: Window, pool: BlockPool, n: int) -> list[int]:
+        """Take `n` blocks (room already checked) and count them as TensorRT-LLM does:
+        all in alloc_total, those that held no cached content in alloc_new."""
+        evicted_before = pool.evicted_total
+        new = pool.take(n)
+        assert new is not None  # room was checked by the caller
         c = self._pending[window]
-        for j, payload in enumerate(payloads[: stop - start]):
-            self.storage.write_block(window, new[j], payload)
-            c.onboarded_blocks += 1
-            c.onboarded_bytes += int(payload.nbytes)
-        return min(len(payloads), stop - start)
+        c.alloc_total_blocks += n
+        c.alloc_new_blocks += n - (pool.evicted_total - evicted_before)
+        return new
 
     def append_tokens(self, seq_id: SeqId, token_ids: TokenIds) -> bool:
         """Grow a sequence by decoded tokens. False (nothing changed) when out of room.
@@ -305,17 +288,14 @@ class PagedKVCache:
                 pool.release(table[:num_release])
                 self._released_refs[w] += num_release
                 del table[:num_release]
-            new = pool.take(num_new)
-            assert new is not None
+            new = self._take(w, pool, num_new)
             for j, b in enumerate(new):
                 i = max(n0, first1) + j
                 if i < len(seq.keys):
                     pool.set_key(b, seq.keys[i])
             table.extend(new)
             seq.first[w] = first1
-            c = self._pending[w]
-            c.alloc_new_blocks += num_new
-            c.gen_alloc_blocks += num_new
+            self._pending[w].gen_alloc_blocks += num_new
         seq.num_tokens = L1
         self._flush_offloads()
         return True
@@ -416,6 +396,11 @@ class PagedKVCache:
             self._committed[w] = self._committed[w] + d
             self._pending[w] = _Counts()
         return IterationStats(out)
+
+    def trtllm_stats(self) -> dict[str, Any]:
+        """Gauges and cumulative counters with TensorRT-LLM's kvCacheStats names and
+        meanings (kvfold.worker.trtllm), summed and per window."""
+        return trtllm_stats(self.stats(), self.cumulative())
 
     def cumulative(self) -> IterationStats:
         """Every delta since the cache was built, committed or pending."""

@@ -2,9 +2,10 @@
 
 Invariants (DESIGN 3.3): used + cached + free == total per window; every reference
 count equals the number of block tables holding the block; no block both free and
-referenced; counters equal a recount (alloc_new + reused - released == held
+referenced; counters equal a recount (alloc_total + reused - released == held
 references); each sequence holds exactly the blocks its window says; status
-counts match. Raises IntegrityError with the numbers that failed to balance.
+counts match; every taken block was fresh or evicted (alloc_total == alloc_new + evicted).
+Raises IntegrityError with the numbers that failed to balance.
 """
 
 from __future__ import annotations
@@ -32,16 +33,22 @@ def check_cache_integrity(cache: PagedKVCache) -> None:
         pool.check_integrity(expected)
         cum = cache.cumulative().windows[w]
         refs = sum(expected)
-        balance = cum.alloc_new_blocks + cum.reused_blocks - cache._released_refs[w]
+        balance = cum.alloc_total_blocks + cum.reused_blocks - cache._released_refs[w]
         if balance != refs:
             raise IntegrityError(
-                f"window {w!r}: alloc_new {cum.alloc_new_blocks} + reused "
+                f"window {w!r}: alloc_total {cum.alloc_total_blocks} + reused "
                 f"{cum.reused_blocks} - released {cache._released_refs[w]} = {balance} "
                 f"!= held references {refs}"
             )
-        if cum.onboarded_blocks > cum.alloc_new_blocks:
+        if cum.alloc_new_blocks + cum.evicted_blocks != cum.alloc_total_blocks:
             raise IntegrityError(
-                f"window {w!r}: onboarded {cum.onboarded_blocks} > alloc_new {cum.alloc_new_blocks}"
+                f"window {w!r}: alloc_new {cum.alloc_new_blocks} + evicted "
+                f"{cum.evicted_blocks} != alloc_total {cum.alloc_total_blocks}"
+            )
+        if cum.onboarded_blocks > cum.alloc_total_blocks:
+            raise IntegrityError(
+                f"window {w!r}: onboarded {cum.onboarded_blocks} > alloc_total "
+                f"{cum.alloc_total_blocks}"
             )
     counts = dict.fromkeys(SequenceStatus, 0)
     for seq in cache._seqs.values():

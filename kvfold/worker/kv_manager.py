@@ -1,105 +1,307 @@
-"""The seed-compatible facade: KVCacheManager over a KVStatsBackend.
+"""The seed's facade, with the seed's exact semantics (DESIGN 3.7).
 
-A backend answers two questions about one rank's world: the node's host tier
-(`get_host_stats`) and this rank's GPU cache (`get_gpu_stats`, None while the
-cache is not bound). The manager turns them into free pages and into the
-node's folded utilization, with the host tier counted once per node.
+    KVCacheManager(backend)                 backend: any object with get_host_stats()
+      .get_gpu_free_pages()                 and get_gpu_stats() (a KVStatsBackend)
+      .get_host_free_pages()
+      .get_host_utilization(request) -> HostKVUtilization
+    should_trigger_prefill(node_stats, watermark_free_percent, has_queued) -> PrefillTrigger
+
+Where the seed and kvfold's own view use different words:
+
+    seed (this module)                      kvfold (kvfold.view / kvfold.stats)
+    KVStats: pages free / used / total      BlockGauges: blocks total / used / cached
+    HostKVUtilization: the node's HOST      NodeUtilization: the node's GPU blocks over its
+      tier, int free_percent (100 if          fresh ranks, float free_percent (0.0 if empty),
+      empty), sequences with KV in host:      host tier apart (`.host`), valid sequences are
+      PREFILLED + ON_HOLD + IN_DECODE         those holding GPU blocks (IN_PREFILL too)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from kvfold.aggregator.fold import fold_node
-from kvfold.stats import HostStats, KVStats, RankReport
-from kvfold.topology import Topology
-from kvfold.view import HostKVUtilization, SourceState
-from kvfold.worker.cache import PagedKVCache
+from kvfold.stats import BlockGauges, HostStats, SequenceStatus
+from kvfold.stats import KVStats as GpuStats
+from kvfold.view import ClusterView, SourceState
+
+HOST_VALID_STATUSES = (SequenceStatus.PREFILLED, SequenceStatus.ON_HOLD, SequenceStatus.IN_DECODE)
+"""Sequences whose KV is in host memory (the seed's valid statuses)."""
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """The seed's page-counter snapshot of one paged KV manager (GPU, or a node's host tier)."""
+
+    num_free_pages: int
+    num_used_pages: int
+    num_total_pages: int
+
+    @classmethod
+    def of(cls, stats: object) -> KVStats:
+        """From any of: this type (or another with the three page fields), kvfold's
+        `stats.KVStats` (summed over windows), `BlockGauges`, `HostStats`; None is empty."""
+        if stats is None:
+            return cls(0, 0, 0)
+        if isinstance(stats, GpuStats):
+            stats = stats.total
+        if isinstance(stats, (BlockGauges, HostStats)):
+            return cls(stats.num_blocks_free, stats.num_blocks_used, stats.num_blocks_total)
+        try:
+            return cls(
+                int(stats.num_free_pages),  # type: ignore[attr-defined]
+                int(stats.num_used_pages),  # type: ignore[attr-defined]
+                int(stats.num_total_pages),  # type: ignore[attr-defined]
+            )
+        except AttributeError:
+            raise TypeError(
+                "stats must have num_free_pages, num_used_pages and num_total_pages "
+                f"(or be one of kvfold's stats types), got {type(stats).__name__}"
+            ) from None
 
 
 @runtime_checkable
 class KVStatsBackend(Protocol):
-    def get_host_stats(self) -> HostStats | None: ...
+    """What the manager reads: the node's host tier, and this rank's GPU cache
+    (None while it is not bound). Any object with these two methods will do."""
 
-    def get_gpu_stats(self) -> KVStats | None: ...
+    def get_host_stats(self) -> object: ...
 
-
-class PagedCacheBackend:
-    """A backend over a real PagedKVCache (and optionally the node's host pool)."""
-
-    def __init__(self, cache: PagedKVCache | None, host: object | None = None) -> None:
-        self.cache = cache
-        self.host = host
-
-    def get_gpu_stats(self) -> KVStats | None:
-        return None if self.cache is None else self.cache.stats()
-
-    def get_host_stats(self) -> HostStats | None:
-        stats = getattr(self.host, "stats", None)
-        return stats() if callable(stats) else None
+    def get_gpu_stats(self) -> object | None: ...
 
 
-@dataclass
-class InMemoryBackend:
-    """A fake for tests and for engines that compute their own numbers."""
+class SequenceSource(Protocol):
+    """The seed's `global_batch`: the sequences of one rank in one status."""
 
-    gpu: KVStats | None = None
-    host: HostStats | None = None
+    def get_sequences_for_rank_with_status(self, rank: int, status: SequenceStatus) -> Sized: ...
 
-    def get_gpu_stats(self) -> KVStats | None:
-        return self.gpu
 
-    def get_host_stats(self) -> HostStats | None:
-        return self.host
+@dataclass(frozen=True)
+class RankStatusCounts:
+    """A SequenceSource from counts: `{rank: {status: n}}` or `{rank: kvfold KVStats}`
+    (what ranks report), for callers that have counts rather than sequence objects."""
+
+    counts: Mapping[int, Mapping[SequenceStatus, int] | GpuStats | None] = field(
+        default_factory=dict
+    )
+
+    def get_sequences_for_rank_with_status(self, rank: int, status: SequenceStatus) -> Sized:
+        c = self.counts.get(rank)
+        if isinstance(c, GpuStats):
+            c = c.num_sequences_by_status
+        return range(0 if c is None else int(c.get(status, 0)))
 
 
 @dataclass(frozen=True)
 class KVUtilizationRequest:
-    """Fold `node`: `rank_stats[rank]` are the GPU stats of the node's ranks as the
-    caller gathered them (None: not bound); ranks absent are missing. The host
-    tier comes from the backend, once."""
+    """The seed's request: which rank asks, the world's shape, and the sequences."""
 
-    node: int
-    rank_stats: Mapping[int, KVStats | None] = field(default_factory=dict)
+    rank: int
+    world_size: int
+    local_rank: int
+    num_gpus_per_node: int
+    global_batch: SequenceSource = field(default_factory=RankStatusCounts)
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "world_size", "local_rank", "num_gpus_per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        if self.world_size < 1 or self.num_gpus_per_node < 1:
+            raise ValueError(
+                f"world_size and num_gpus_per_node must be >= 1, got {self.world_size} "
+                f"and {self.num_gpus_per_node}"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if not callable(getattr(self.global_batch, "get_sequences_for_rank_with_status", None)):
+            raise TypeError(
+                "global_batch must have get_sequences_for_rank_with_status(rank, status), "
+                f"got {type(self.global_batch).__name__}"
+            )
+
+
+@dataclass(frozen=True)
+class HostKVUtilization:
+    """One node's host tier, and its sequences with KV in host memory (every rank of
+    the node counted). free_percent = int(free / total * 100), 100 when total is 0."""
+
+    rank: int
+    node_id: int
+    num_free_pages: int
+    num_total_pages: int
+    num_used_pages: int
+    free_percent: int
+    num_in_decode: int
+    num_onhold: int
+    num_prefilled: int
+    num_valid_sequences: int
+
+
+def percent_free(free: int, total: int) -> int:
+    """The seed's integer percentage: int(free / total * 100), 100 when total is 0."""
+    return int(free / total * 100) if total > 0 else 100
 
 
 class KVCacheManager:
-    def __init__(self, backend: KVStatsBackend, topology: Topology) -> None:
+    """The seed's read-only stats facade over a KVStatsBackend."""
+
+    def __init__(self, backend: KVStatsBackend) -> None:
         if not isinstance(backend, KVStatsBackend):
             raise TypeError(
                 f"backend must implement get_host_stats() and get_gpu_stats(), "
                 f"got {type(backend).__name__}"
             )
-        if not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
-        self.backend = backend
-        self.topology = topology
-
-    def get_gpu_free_pages(self) -> int:
-        """Free GPU blocks of this rank, summed over windows; 0 while not bound."""
-        stats = self.backend.get_gpu_stats()
-        return 0 if stats is None else stats.total.num_blocks_free
+        self._backend = backend
 
     def get_host_free_pages(self) -> int:
-        stats = self.backend.get_host_stats()
-        return 0 if stats is None else stats.num_blocks_free
+        """Free pages of the node's host tier."""
+        return KVStats.of(self._backend.get_host_stats()).num_free_pages
+
+    def get_gpu_free_pages(self) -> int:
+        """Free pages of this rank's GPU cache; 0 while it is not bound."""
+        return KVStats.of(self._backend.get_gpu_stats()).num_free_pages
 
     def get_host_utilization(self, request: KVUtilizationRequest) -> HostKVUtilization:
-        """The node's folded view (ranks clamped to the world, host counted once)."""
-        self.topology.check_node(request.node)
-        reports = {}
-        for rank, stats in request.rank_stats.items():
-            if self.topology.node_of(rank) != request.node:
-                raise ValueError(f"rank {rank} is not on node {request.node}")
-            reports[rank] = RankReport(
-                rank=rank,
-                incarnation=0,
-                seq=0,
-                gpu=None if stats is None else stats.windows,
-                deltas={},
-                num_sequences_by_status=({} if stats is None else stats.num_sequences_by_status),
+        """The node's host tier, with the node's sequences that hold KV in host memory,
+        over ranks [node_rank_start, min(node_rank_start + gpus_per_node, world_size))."""
+        if not isinstance(request, KVUtilizationRequest):
+            raise TypeError(f"request must be a KVUtilizationRequest, got {type(request).__name__}")
+        host = KVStats.of(self._backend.get_host_stats())
+        g = request.num_gpus_per_node
+        node_id = request.rank // g
+        start = node_id * g
+        end = min(start + g, request.world_size)
+        counts = dict.fromkeys(HOST_VALID_STATUSES, 0)
+        batch = request.global_batch
+        for rank in range(start, end):
+            for status in HOST_VALID_STATUSES:
+                counts[status] += len(batch.get_sequences_for_rank_with_status(rank, status))
+        return HostKVUtilization(
+            rank=request.rank,
+            node_id=node_id,
+            num_free_pages=host.num_free_pages,
+            num_total_pages=host.num_total_pages,
+            num_used_pages=host.num_used_pages,
+            free_percent=percent_free(host.num_free_pages, host.num_total_pages),
+            num_in_decode=counts[SequenceStatus.IN_DECODE],
+            num_onhold=counts[SequenceStatus.ON_HOLD],
+            num_prefilled=counts[SequenceStatus.PREFILLED],
+            num_valid_sequences=sum(counts.values()),
+        )
+
+
+@dataclass(frozen=True)
+class PrefillTrigger:
+    """The seed's decision and, beside it, the host pages over the nodes it saw.
+
+    max_free_percent is None (and the figures 0) when no node was given.
+    free_percent = 100 - int(used / total * 100) (100 - 0 when total is 0)."""
+
+    should_trigger: bool
+    max_free_percent: int | None
+    used: int
+    total: int
+    free_percent: int
+    num_nodes: int
+
+
+def should_trigger_prefill(
+    node_stats: Iterable[HostKVUtilization],
+    watermark_free_percent: int,
+    has_queued: bool,
+    has_evicted: bool = False,
+) -> PrefillTrigger:
+    """Trigger prefill when some node's host free_percent is above the watermark (its
+    host tier is under-used) and work is waiting (queued, or evicted sequences)."""
+    if isinstance(watermark_free_percent, bool) or not isinstance(watermark_free_percent, int):
+        raise TypeError(f"watermark_free_percent must be an int, got {watermark_free_percent!r}")
+    nodes = list(node_stats)
+    if not nodes:
+        return PrefillTrigger(False, None, 0, 0, 100, 0)
+    max_free = max(int(n.free_percent) for n in nodes)
+    used = sum(n.num_used_pages for n in nodes)
+    total = sum(n.num_total_pages for n in nodes)
+    used_percent = int(used / total * 100) if total > 0 else 0
+    return PrefillTrigger(
+        should_trigger=max_free > watermark_free_percent and (has_queued or has_evicted),
+        max_free_percent=max_free,
+        used=used,
+        total=total,
+        free_percent=100 - used_percent,
+        num_nodes=len(nodes),
+    )
+
+
+def host_utilizations(view: ClusterView) -> list[HostKVUtilization]:
+    """The seed's per-node utilization of every fresh node of a cluster view (nodes
+    that are stale, dead or never heard from are left out, as a gather would)."""
+    out = []
+    for node, state in zip(view.nodes, view.node_states, strict=True):
+        if node is None or state is not SourceState.FRESH:
+            continue
+        host = KVStats.of(node.host)
+        statuses = node.num_sequences_by_status
+        counts = {s: int(statuses.get(s, 0)) for s in HOST_VALID_STATUSES}
+        out.append(
+            HostKVUtilization(
+                rank=node.rank_start,
+                node_id=node.node,
+                num_free_pages=host.num_free_pages,
+                num_total_pages=host.num_total_pages,
+                num_used_pages=host.num_used_pages,
+                free_percent=percent_free(host.num_free_pages, host.num_total_pages),
+                num_in_decode=counts[SequenceStatus.IN_DECODE],
+                num_onhold=counts[SequenceStatus.ON_HOLD],
+                num_prefilled=counts[SequenceStatus.PREFILLED],
+                num_valid_sequences=sum(counts.values()),
             )
-        fresh = dict.fromkeys(reports, SourceState.FRESH)
-        return fold_node(self.topology, request.node, reports, self.backend.get_host_stats(), fresh)
+        )
+    return out
+
+
+class PagedCacheBackend:
+    """A backend over a real PagedKVCache (None: not bound) and the node's host pool
+    (anything with `.stats() -> HostStats`; None: no host tier)."""
+
+    def __init__(self, cache: object | None, host: object | None = None) -> None:
+        self.cache = cache
+        self.host = host
+
+    def get_gpu_stats(self) -> KVStats | None:
+        return None if self.cache is None else KVStats.of(self.cache.stats())  # type: ignore[attr-defined]
+
+    def get_host_stats(self) -> KVStats:
+        return KVStats.of(None if self.host is None else self.host.stats())  # type: ignore[attr-defined]
+
+
+@dataclass
+class InMemoryBackend:
+    """A fake for tests, and for engines that compute their own numbers."""
+
+    gpu: KVStats | None = None
+    host: KVStats = field(default_factory=lambda: KVStats(0, 0, 0))
+
+    def get_gpu_stats(self) -> KVStats | None:
+        return self.gpu
+
+    def get_host_stats(self) -> KVStats:
+        return self.host
+
+
+__all__ = [
+    "HOST_VALID_STATUSES",
+    "HostKVUtilization",
+    "InMemoryBackend",
+    "KVCacheManager",
+    "KVStats",
+    "KVStatsBackend",
+    "KVUtilizationRequest",
+    "PagedCacheBackend",
+    "PrefillTrigger",
+    "RankStatusCounts",
+    "SequenceSource",
+    "host_utilizations",
+    "should_trigger_prefill",
+]

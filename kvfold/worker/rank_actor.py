@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import RayActorError, RayError
 
 from kvfold.aggregator.host_kv import unpack_blocks
 from kvfold.codec import encode_rank_report
+from kvfold.errors import NodeUnavailable
 from kvfold.naming import node_actor_name
 from kvfold.stats import (
     BlockDeltas,
@@ -43,37 +44,32 @@ HOST_TIMEOUT_S = 2.0
 
 
 class NodeHostTier:
-    """The node's host tier as seen from a rank: the HostTier seam over the node actor."""
+    """The node's host tier as seen from a rank: the HostTier seam over the node actor.
+
+    Failures raise (NodeUnavailable, Ray's errors, a timeout); the cache's HostLink
+    turns each into a miss and counts it (kvfold.worker.host_path).
+    """
 
     def __init__(self, worker: RankWorker) -> None:
         self.worker = worker
-        self.fetch_failures = 0
-        self.offload_failures = 0  # the node actor was down: the block is lost to the tier
+        self.offload_failures = 0  # answered with an error after the engine moved on
         self.offload_refused = 0  # the host did not store it (held already, tier off, too big)
         self._pending: list[tuple[Any, list[tuple[Window, int]]]] = []  # (ref, [(window, nbytes)])
 
-    def fetch(self, window: Window, keys: Sequence[bytes]) -> list[np.ndarray]:
+    def _node(self) -> Any:
         node = self.worker.node_handle()
         if node is None:
-            self.fetch_failures += 1
-            return []
-        try:
-            packed, lengths = ray.get(
-                node.host_get.remote(self.worker.geometry, window, list(keys)),
-                timeout=HOST_TIMEOUT_S,
-            )
-        except (RayActorError, GetTimeoutError):
-            self.fetch_failures += 1
-            return []
+            raise NodeUnavailable(self.worker.node, "no host-KV actor found")
+        return node
+
+    def fetch(self, window: Window, keys: Sequence[bytes]) -> list[np.ndarray]:
+        ref = self._node().host_get.remote(self.worker.geometry, window, list(keys))
+        packed, lengths = ray.get(ref, timeout=HOST_TIMEOUT_S)
         return unpack_blocks(packed, lengths)
 
     def offload_many(self, items: list[tuple[Window, bytes, np.ndarray]]) -> list[bool] | None:
-        node = self.worker.node_handle()
-        if node is None:
-            self.offload_failures += len(items)
-            return [False] * len(items)
         # the engine's step never waits on the host's answer: settle() counts it later
-        ref = node.host_put_many.remote(self.worker.geometry, items)
+        ref = self._node().host_put_many.remote(self.worker.geometry, items)
         self._pending.append((ref, [(w, int(p.nbytes)) for w, _, p in items]))
         return None
 
@@ -91,7 +87,7 @@ class NodeHostTier:
                 continue
             try:
                 stored: list[bool] = ray.get(ref)
-            except RayActorError:
+            except RayError:  # the node died, or refused the batch (layout): not stored
                 self.offload_failures += len(blocks)
                 continue
             for (window, nbytes), ok in zip(blocks, stored, strict=True):
@@ -166,8 +162,15 @@ class RankWorker:
             "reports_sent": self.reports_sent,
             "report_verdicts": dict(self.report_verdicts),
             "reports_failed": self.reports_failed,
-            "host_fetch_failures": self.host.fetch_failures if self.host else 0,
-            "host_offload_failures": self.host.offload_failures if self.host else 0,
+            **self._host_failures(),
+        }
+
+    def _host_failures(self) -> dict[str, int]:
+        link = self.cache.host if self.cache is not None else None
+        return {
+            "host_fetch_failures": link.fetch_failures if link else 0,
+            "host_offload_failures": (link.offload_failures if link else 0)
+            + (self.host.offload_failures if self.host else 0),
             "host_offload_refused": self.host.offload_refused if self.host else 0,
         }
 
@@ -249,6 +252,11 @@ class RankWorker:
     def stats(self) -> KVStats | None:
         with self.lock:
             return None if self.cache is None else self.cache.stats()
+
+    def trtllm_stats(self) -> dict[str, Any] | None:
+        """TensorRT-LLM's kvCacheStats shape (None while no cache is bound)."""
+        with self.lock:
+            return None if self.cache is None else self.cache.trtllm_stats()
 
     def cumulative(self) -> IterationStats | None:
         with self.lock:

@@ -50,6 +50,10 @@ class KVStorage:
                 device=self.device,
             )
 
+    def slot_of_layer(self, layer: int) -> int:
+        """Where `layer` sits in its window group's pool (dimension 1)."""
+        return self._layer_slot[layer]
+
     @property
     def token_shape(self) -> tuple[int, int]:
         return (self.config.num_kv_heads, self.config.head_dim)
@@ -86,9 +90,11 @@ class KVStorage:
         return int(pool[0].numel() * pool.element_size())
 
     def read_block(self, window: Window, block: int) -> np.ndarray:
-        """One block's K/V of every layer in the group, as raw bytes (uint8, on the host)."""
-        t = self.pools[window][block].contiguous()
-        return t.view(torch.uint8).reshape(-1).cpu().numpy()
+        """A copy of one block's K/V of every layer in the group, as raw bytes (uint8, on
+        the host). Never a view of the pool: the block may be rewritten right after."""
+        t = self.pools[window][block]
+        t = t.clone() if t.device.type == "cpu" else t.cpu()
+        return t.view(torch.uint8).reshape(-1).numpy()
 
     def write_block(self, window: Window, block: int, data: np.ndarray) -> None:
         """Overwrite one block from raw bytes produced by `read_block` on the same geometry."""

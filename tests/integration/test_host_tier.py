@@ -118,3 +118,23 @@ def test_a_rank_with_another_layout_is_refused(kv) -> None:  # type: ignore[no-u
         except ray.exceptions.RayTaskError as e:
             raise e.cause from None
     assert ray.get(kv.node(0).counts.remote())["host_refused_geometry"] == 2
+
+
+def test_a_failing_host_tier_is_a_miss_and_the_add_completes(kv) -> None:  # type: ignore[no-untyped-def]
+    """The node refuses this rank's layout (a remote ValueError): every add still completes
+    as if the tier held nothing, the cache balances, and the failures are counted."""
+    from dataclasses import replace
+
+    r1 = kv.rank(1)
+    r1.bind(replace(CACHE, head_dim=4))  # node 0's tier holds head_dim 8 blocks
+    before = r1.info()["host_fetch_failures"]
+    prompt = list(range(7000, 7000 + 8 * B + 1))
+    assert r1.add_sequence("refused", prompt)
+    d = r1.cumulative().total
+    assert (d.onboarded_blocks, d.missed_blocks, d.reused_blocks) == (0, 9, 0)
+    r1.check_integrity()
+    assert r1.info()["host_fetch_failures"] == before + 1
+    r1.free_sequence("refused")
+    r1.check_integrity()
+    assert r1.stats().total.num_blocks_used == 0
+    r1.bind(CACHE)

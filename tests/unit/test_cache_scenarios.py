@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvfold.stats import SequenceStatus
+from kvfold.worker import PagedKVCache
 from tests.unit.builders import make_cache, toks
 
 
@@ -168,3 +169,52 @@ def test_eviction_counted_when_cached_blocks_are_reclaimed() -> None:
     assert d.evicted_blocks == 2
     assert cache.stats().total.num_blocks_cached == 2
     cache.check_integrity()
+
+
+def test_counters_mean_what_tensorrt_llm_means() -> None:
+    """DESIGN 3.3: alloc_total = blocks taken from the free list (a cache hit is not
+    taken); alloc_new = of those, blocks that held no cached content."""
+    cache = make_cache(num_blocks=8)
+    assert cache.add_sequence("a", toks(0, 9))  # 3 blocks, 2 full ones keyed
+    cache.free_sequence("a")
+    cache.commit_iteration()
+    assert cache.add_sequence("b", toks(0, 9))
+    d = cache.commit_iteration().total
+    assert (d.reused_blocks, d.alloc_total_blocks, d.alloc_new_blocks) == (2, 1, 1)
+    cache.free_sequence("b")  # 2 cached blocks stay (the unkeyed partial block is free)
+    cache.commit_iteration()
+    assert cache.add_sequence("big", toks(1000, 32))  # 8 blocks into an 8-block pool
+    d = cache.commit_iteration().total
+    # 6 never-used blocks and 2 reclaimed from the cache: total 8, new 6, evicted 2
+    assert (d.alloc_total_blocks, d.alloc_new_blocks, d.evicted_blocks) == (8, 6, 2)
+    cache.check_integrity()
+
+
+def test_trtllm_stats_has_tensorrt_llms_names_and_meanings() -> None:
+    import json
+
+    from tests.unit.builders import PoolHostTier, make_config
+
+    cfg = make_config(num_blocks=8)
+    host = PoolHostTier(num_blocks=16, slot_nbytes=cfg.bytes_per_block(None))
+    a, b = PagedKVCache(cfg, host_tier=host), PagedKVCache(cfg, host_tier=host)
+    assert a.add_sequence("p", toks(0, 12))
+    a.free_sequence("p")
+    assert a.add_sequence("push", toks(500, 32))  # evicts p's 3 cached blocks to the host
+    assert b.add_sequence("q", toks(0, 8))  # block 0 onboarded (floor(7/4) = 1), 1 computed
+    b.free_sequence("q")
+    assert b.add_sequence("r", toks(0, 13))  # 2 reused on the GPU, 1 onboarded, 1 computed
+    s = json.loads(json.dumps(b.trtllm_stats()))
+    kv = s["kvCacheStats"]
+    assert kv == {
+        "maxNumBlocks": 8,
+        "freeNumBlocks": 4,  # 8 - 4 held by r
+        "usedNumBlocks": 4,
+        "tokensPerBlock": 4,
+        "allocTotalBlocks": 2 + 2,  # q took 2; r took 2 (onboarded into counts: taken)
+        "allocNewBlocks": 4,  # nothing was evicted on b
+        "reusedBlocks": 1 + (2 + 1),  # GPU hits + host onboards, as TensorRT-LLM counts them
+        "missedBlocks": 1 + 1,  # q's block 1, r's partial last block
+        "cacheHitRate": 4 / 6,
+    }
+    assert s["kvCacheStatsPerWindow"] == {"full": kv}

@@ -43,19 +43,28 @@ def test_window_gathers_only_the_window() -> None:
     assert torch.equal(gk, k[6:14]) and torch.equal(gv, -k[6:14])
 
 
-def test_paged_attention_equals_dense() -> None:
+def test_paged_attention_block_by_block_equals_dense_over_what_was_written() -> None:
+    """The paged path reads the pool through the block table, one block at a time; the
+    reference is dense attention over the K/V the test wrote, never over a gather."""
     g = torch.Generator().manual_seed(1)
-    cache = make_cache(num_blocks=16, num_kv_heads=2, head_dim=8)
-    # share a prefix so the table is not simply 0..n
-    assert cache.add_sequence("x", toks(500, 5))
-    assert cache.add_sequence("a", toks(0, 23))
-    k = torch.randn(23, 2, 8, generator=g)
-    v = torch.randn(23, 2, 8, generator=g)
-    cache.write_kv("a", 1, list(range(23)), k, v)
-    q = torch.randn(4, 8, generator=g)  # 4 query heads over 2 KV heads (GQA)
-    out = paged_attention(cache, "a", 1, q)
-    ref = dense_attention(q, k, v)
-    assert torch.allclose(out, ref, atol=1e-5)
+    for windows, layer, seen in (((None,), 1, slice(0, 23)), ((None, 8), 1, slice(15, 23))):
+        cache = make_cache(num_blocks=16, windows=windows, num_kv_heads=2, head_dim=8)
+        # share a prefix and take blocks out of order, so the table is not simply 0..n
+        assert cache.add_sequence("x", toks(500, 5))
+        assert cache.add_sequence("a", toks(0, 23))
+        k = torch.randn(23, 2, 8, generator=g)
+        v = torch.randn(23, 2, 8, generator=g)
+        held_from = cache.first_block_index("a", cache.config.window_of_layer(layer)) * 4
+        cache.write_kv("a", layer, list(range(held_from, 23)), k[held_from:], v[held_from:])
+        q = torch.randn(4, 8, generator=g)  # 4 query heads over 2 KV heads (GQA)
+        out = paged_attention(cache, "a", layer, q)
+        ref = dense_attention(q, k[seen], v[seen])  # window 8 over 23 tokens: [15, 23)
+        assert torch.allclose(out, ref, atol=1e-5), (windows, (out - ref).abs().max())
+        # a wrong block in the table must show: swap two blocks' bytes
+        table = cache.block_table("a", cache.config.window_of_layer(layer))
+        pool = cache.storage.pools[cache.config.window_of_layer(layer)]
+        pool[[table[-1], table[-2]]] = pool[[table[-2], table[-1]]]
+        assert not torch.allclose(paged_attention(cache, "a", layer, q), ref, atol=1e-3)
 
 
 def test_block_bytes_round_trip() -> None:
