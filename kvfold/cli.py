@@ -80,8 +80,9 @@ def _apply_auth(path: str | None) -> None:
     token = Path(path).read_text(encoding="utf-8").strip()
     if not token:
         raise SystemExit(f"kvfold: the auth token file {path!r} is empty")
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN"] = token
+    from kvfold.ray_env import use_token
+
+    use_token(token)
 
 
 class LiveTable:
@@ -260,14 +261,13 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     _ray_env(args.address)
-    import ray
-
+    from kvfold.aggregator.client import connect
     from kvfold.cluster import launch
     from kvfold.display import render_table
     from kvfold.errors import KVFoldError
 
-    ray.init(address=args.address or "auto", namespace=args.namespace, log_to_driver=False)
     try:
+        connect(args.address, args.namespace)
         kv = launch(
             args.world_size,
             args.gpus_per_node,
@@ -286,11 +286,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     _ray_env(args.address)
-    import ray
-
+    from kvfold.aggregator.client import connect
     from kvfold.cluster import teardown
+    from kvfold.errors import KVFoldError
 
-    ray.init(address=args.address or "auto", namespace=args.namespace, log_to_driver=False)
+    try:
+        connect(args.address, args.namespace)
+    except KVFoldError as e:
+        print(f"kvfold down: {e}", file=sys.stderr)
+        return 2
     stopped = teardown(args.namespace)
     print(f"kvfold down: stopped {len(stopped)}: {', '.join(stopped) or 'nothing was running'}")
     return 0

@@ -15,7 +15,7 @@ restarts; an aggregator restart is a counter reset, as Prometheus expects.
     kvfold_node_state{node,state}                             gauge, 1 for the node's state
     kvfold_node_report_age_seconds{node}                      gauge
     kvfold_view_version                                       gauge
-    kvfold_blocks_total{node,window,kind}                     counter (alloc_total, alloc_new, reused, ...)
+    kvfold_blocks_total{node,window,kind}                     counter (alloc_total, reused, ...)
     kvfold_bytes_total{node,window,kind=onboarded|offloaded}  counter
     kvfold_host_blocks_total{node,kind}                       counter (offloaded, onboarded, ...)
     kvfold_host_bytes_total{node,kind}                        counter
@@ -35,7 +35,16 @@ from prometheus_client.registry import Collector
 from kvfold.stats import SequenceStatus, window_label
 from kvfold.view import ClusterView, SourceState
 
-BLOCK_KINDS = ("alloc_total", "alloc_new", "reused", "missed", "onboarded", "gen_alloc", "evicted", "offloaded")
+BLOCK_KINDS = (
+    "alloc_total",
+    "alloc_new",
+    "reused",
+    "missed",
+    "onboarded",
+    "gen_alloc",
+    "evicted",
+    "offloaded",
+)
 HOST_KINDS = ("offloaded", "onboarded", "dropped", "evicted", "refused")
 
 

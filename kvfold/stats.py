@@ -117,7 +117,7 @@ class BlockDeltas:
         return BlockDeltas(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
 
     def as_tuple(self) -> tuple[int, ...]:
-        return _delta_values(self)  # type: ignore[no-any-return]
+        return _delta_values(self)
 
     def is_zero(self) -> bool:
         return not any(self.as_tuple())
@@ -272,7 +272,7 @@ class HostStats:
         return HostStats(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
 
     def as_tuple(self) -> tuple[int, ...]:
-        return _host_values(self)  # type: ignore[no-any-return]
+        return _host_values(self)
 
 
 HOST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HostStats))

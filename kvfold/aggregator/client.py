@@ -12,7 +12,7 @@ import pickle
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError
 
 from kvfold.errors import AggregatorUnavailable
 from kvfold.naming import AGGREGATOR_NAME, DEFAULT_NAMESPACE
@@ -26,10 +26,21 @@ def connect(address: str | None = None, namespace: str = DEFAULT_NAMESPACE) -> N
     addr = address or os.environ.get("RAY_ADDRESS") or "auto"
     try:
         ray.init(address=addr, namespace=namespace, log_to_driver=False)
+    except AuthenticationError as e:
+        raise AggregatorUnavailable(
+            f"the Ray cluster at {addr!r} refused this client: it needs the cluster's auth "
+            "token (--auth-token-file PATH; docs/security.md)"
+        ) from e
     except ConnectionError as e:
+        hint = (
+            ""
+            if os.environ.get("RAY_AUTH_MODE") == "token"
+            else "; if it runs with token auth (every embedded cluster does), it refused "
+            "this client: pass --auth-token-file PATH (docs/security.md)"
+        )
         raise AggregatorUnavailable(
             f"no Ray cluster at {addr!r}: {e}. Start one with `kvfold demo` or `kvfold up`, "
-            "or pass --address HOST:PORT"
+            f"or pass --address HOST:PORT{hint}"
         ) from e
 
 

@@ -4,14 +4,21 @@ Built on `ray.cluster_utils.Cluster`. Node 0 is the head. Every node gets
 `gpus_per_node` simulated GPUs (Ray sets CUDA_VISIBLE_DEVICES as on a real node;
 storage falls back to CPU when no CUDA is present) and a custom resource
 `kvfold_sim_node_<i>` so tests can pin work to it.
+
+Closed to the network (docs/security.md): every node binds and advertises
+127.0.0.1, and Ray's token authentication is on with a random token
+(kvfold.ray_env), written where `kvfold status --address ...` finds it.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
-from kvfold.ray_env import apply_local_defaults
+from kvfold.ray_env import save_token, secure_embedded_cluster
+
+log = logging.getLogger("kvfold.cluster")
 
 FAST_HEALTH_CHECKS = {
     "health_check_initial_delay_ms": 0,
@@ -38,7 +45,12 @@ class LocalCluster:
         for name, v in (("num_nodes", num_nodes), ("gpus_per_node", gpus_per_node)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        apply_local_defaults()
+        self.token_auth = secure_embedded_cluster()
+        if not self.token_auth:
+            log.warning(
+                "Ray was imported before the embedded cluster was configured: it runs "
+                "without token auth, bound to 127.0.0.1 only (import kvfold.cluster first)"
+            )
         import ray
         from ray.cluster_utils import Cluster
 
@@ -52,6 +64,7 @@ class LocalCluster:
                 "num_gpus": gpus_per_node,
                 "resources": {f"kvfold_sim_node_{i}": 100},
                 "object_store_memory": object_store_bytes,
+                "node_ip_address": "127.0.0.1",
             }
 
         head = {**node_args(0), "include_dashboard": False}
@@ -62,6 +75,7 @@ class LocalCluster:
         for i in range(1, num_nodes):
             self.nodes.append(self.cluster.add_node(**node_args(i)))
         self.cluster.wait_for_nodes()
+        self.token_path = save_token(self.address)
         if connect:
             ray.init(address=self.cluster.address, namespace=self.namespace, log_to_driver=False)
 
@@ -80,6 +94,8 @@ class LocalCluster:
 
         ray.shutdown()
         self.cluster.shutdown()
+        if self.token_path is not None:
+            self.token_path.unlink(missing_ok=True)
 
     def __enter__(self) -> LocalCluster:
         return self

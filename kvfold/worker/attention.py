@@ -31,8 +31,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Decode attention of one query token over `seq_id`'s paged K/V of `layer`.
 
-        logical block  first+0   first+1   ...      tokens seen: [max(0, L-W), L)
-        pool row       table[0]  table[1]  ...      (W = the layer's window; full: 0)
+    logical block  first+0   first+1   ...      tokens seen: [max(0, L-W), L)
+    pool row       table[0]  table[1]  ...      (W = the layer's window; full: 0)
     """
     window = cache.config.window_of_layer(layer)
     table = cache.block_table(seq_id, window)

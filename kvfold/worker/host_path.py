@@ -70,7 +70,9 @@ class HostLink:
             if not isinstance(p, np.ndarray) or p.dtype != np.uint8 or p.size != nbytes:
                 self.fetch_failures += 1
                 got = f"{p.size} {p.dtype}" if isinstance(p, np.ndarray) else type(p).__name__
-                log.warning("host tier returned %s for a %d-byte block; computing instead", got, nbytes)
+                log.warning(
+                    "host tier returned %s for a %d-byte block; computing instead", got, nbytes
+                )
                 break
             out.append(p)
         return out
@@ -96,7 +98,9 @@ class HostLink:
             stored = self.tier.offload_many(items)
         except Exception as e:  # a failing tier stores nothing (docs/decisions.md)
             self.offload_failures += len(items)
-            log.warning("host tier offload of %d blocks failed: %s: %s", len(items), type(e).__name__, e)
+            log.warning(
+                "host tier offload of %d blocks failed: %s: %s", len(items), type(e).__name__, e
+            )
             return []
         if stored is None:
             return []

@@ -1,67 +1,106 @@
-"""Ray token authentication: a client without the cluster's token is refused."""
+"""The embedded cluster is closed to the network: it listens on loopback only (or, where
+anything listens beyond it, token auth is on), and a client without its token is refused."""
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+# the default embedded cluster, as `kvfold demo` starts it: nothing about auth is set
 SERVER = r"""
-import os, sys, time
+import sys
 from kvfold.cluster import launch, start_local_cluster
-c = start_local_cluster(1, 1, namespace="kvfold")
-kv = launch(1, 1)
-print(c.address, flush=True)
+c = start_local_cluster(2, 1, namespace="kvfold")
+kv = launch(2, 1)
+print(c.address, c.token_path, flush=True)
 sys.stdin.read()  # until the test closes our stdin
 kv.shutdown(); c.shutdown()
 """
 
 
-def env(**extra: str) -> dict[str, str]:
+def env(kvfold_home: Path, **extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    e.update(extra)
+    e.update(KVFOLD_HOME=str(kvfold_home), **extra)
     return e
 
 
-def test_client_without_token_is_refused(tmp_path: Path) -> None:
-    token = "kvfold-test-token-" + os.urandom(8).hex()
-    token_file = tmp_path / "token"
-    token_file.write_text(token + "\n")
-    secured = env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+def is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def listening(root: psutil.Process) -> list[tuple[str, int, str, bool]]:
+    """(ip, port, process name, token auth on) of every listening socket of the tree."""
+    out = []
+    procs = {p.pid: p for p in [root, *root.children(recursive=True)]}
+    for conn in psutil.net_connections(kind="inet"):
+        p = procs.get(conn.pid) if conn.pid is not None else None
+        if p is None or conn.status != psutil.CONN_LISTEN:
+            continue
+        try:
+            token = p.environ().get("RAY_AUTH_MODE") == "token"
+            name = p.name()
+        except psutil.NoSuchProcess:
+            continue
+        out.append((conn.laddr.ip, conn.laddr.port, name, token))
+    return out
+
+
+def test_embedded_cluster_listens_on_loopback_with_token_auth(tmp_path: Path) -> None:
+    home, stranger_home = tmp_path / "owner", tmp_path / "stranger"
     server = subprocess.Popen(
         [sys.executable, "-c", SERVER],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env=secured,
+        env=env(home),
     )
     try:
-        address = server.stdout.readline().strip()  # type: ignore[union-attr]
-        if not address:
-            pytest.fail("the token-secured cluster did not start")
+        line = server.stdout.readline().split()  # type: ignore[union-attr]
+        if len(line) != 2:
+            pytest.fail("the embedded cluster did not start")
+        address, token_path = line
+        assert Path(token_path).is_file() and Path(token_path).stat().st_mode & 0o077 == 0
+        sockets = listening(psutil.Process(server.pid))
+        assert len(sockets) >= 3  # the GCS, two raylets at least
+        exposed = [s for s in sockets if not is_loopback(s[0]) and not s[3]]
+        assert not exposed, f"listening beyond loopback without token auth: {exposed}"
+        assert all(is_loopback(ip) for ip, *_ in sockets), sockets  # and in fact loopback only
+        ray_procs = [s for s in sockets if s[2] in ("gcs_server", "raylet")]
+        assert ray_procs and all(s[3] for s in ray_procs)  # token auth on for the cluster
+
         status = [sys.executable, "-m", "kvfold.cli", "status", "--json", "--address", address]
-        ok = subprocess.run(
-            [*status, "--auth-token-file", str(token_file)],
+        # the owner's `kvfold status` finds the token the cluster saved for its address
+        owner = subprocess.run(status, capture_output=True, text=True, env=env(home), timeout=120)
+        assert owner.returncode == 0, owner.stderr[-1500:]
+        assert json.loads(owner.stdout)["world_size"] == 2
+        # so does anyone handed the token file
+        handed = subprocess.run(
+            [*status, "--auth-token-file", token_path],
             capture_output=True,
             text=True,
-            env=env(),
+            env=env(stranger_home),
             timeout=120,
         )
-        assert ok.returncode == 0, ok.stderr[-1500:]
-        assert '"world_size": 1' in ok.stdout
-        t0 = time.monotonic()
+        assert handed.returncode == 0, handed.stderr[-1500:]
+        # without it, the cluster refuses the client, and kvfold says why
         refused = subprocess.run(
-            status, capture_output=True, text=True, env=env(RAY_AUTH_MODE="disabled"), timeout=180
+            status, capture_output=True, text=True, env=env(stranger_home), timeout=180
         )
-        took = time.monotonic() - t0
         assert refused.returncode != 0
-        assert "kvfold status" in refused.stderr or "onnection" in refused.stderr
-        print(f"unauthenticated client refused after {took:.1f} s")
+        assert "InvalidAuthToken" in refused.stderr, refused.stderr[-1500:]  # Ray's own words
+        assert "refused this client: pass --auth-token-file" in refused.stderr
     finally:
         server.stdin.close()  # type: ignore[union-attr]
         server.wait(timeout=60)
+    assert not Path(token_path).exists()  # the cluster's token goes with it

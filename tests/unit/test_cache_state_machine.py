@@ -103,7 +103,12 @@ class CacheMachine(RuleBasedStateMachine):
         B = cfg.tokens_per_block
         rows = []
         for layer in cfg.layers_of(window):  # type: ignore[arg-type]
-            k = torch.tensor([kv_value(salt, prefix[: p + 1], layer) for p in range(len(prefix) - B, len(prefix))])
+            k = torch.tensor(
+                [
+                    kv_value(salt, prefix[: p + 1], layer)
+                    for p in range(len(prefix) - B, len(prefix))
+                ]
+            )
             k = k.reshape(B, 1, 1).expand(B, 1, 2)
             rows.append(torch.stack([k, -k]))
         return torch.stack(rows).to(torch.float32).contiguous().numpy().tobytes()
@@ -156,7 +161,9 @@ class CacheMachine(RuleBasedStateMachine):
             w = cache.config.window_of_layer(layer)
             start = 0 if w is None else max(0, L - w)
             k, v = cache.gather_kv(sid, layer)
-            want = torch.tensor([kv_value(salt, tuple(tokens[: p + 1]), layer) for p in range(start, L)])
+            want = torch.tensor(
+                [kv_value(salt, tuple(tokens[: p + 1]), layer) for p in range(start, L)]
+            )
             assert torch.equal(k[:, 0, 0], want), (sid, layer, k[:, 0, 0].tolist(), want.tolist())
             assert torch.equal(v[:, 0, 1], -want)
 
@@ -185,8 +192,13 @@ class CacheMachine(RuleBasedStateMachine):
             self.host.failing = False
         if ok:
             d = cache.cumulative().total
-            event("onboarded" if d.onboarded_blocks > before.total.onboarded_blocks else "no onboard")
-            if d.onboarded_blocks > before.total.onboarded_blocks and d.evicted_blocks > before.total.evicted_blocks:
+            event(
+                "onboarded" if d.onboarded_blocks > before.total.onboarded_blocks else "no onboard"
+            )
+            if (
+                d.onboarded_blocks > before.total.onboarded_blocks
+                and d.evicted_blocks > before.total.evicted_blocks
+            ):
                 event("evicted and onboarded in one add")
         if not ok:
             assert cache.stats() == before_stats and cache.cumulative() == before
@@ -229,7 +241,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), n=st.integers(1, 6), host_fails=HOST_FAILS)
     def append(self, data, n, host_fails) -> None:  # type: ignore[no-untyped-def]
         sid = data.draw(st.sampled_from(self._running()))
-        cache_i, salt, tokens = self.seqs[sid]
+        cache_i, _, tokens = self.seqs[sid]
         cache = self.caches[cache_i]
         if self.host is not None:
             self.host.failing = host_fails
@@ -281,7 +293,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _running(self) -> list[int]:
         return [
-            s for s, (c, _, _) in sorted(self.seqs.items())
+            s
+            for s, (c, _, _) in sorted(self.seqs.items())
             if self.caches[c].status_of(s) in VALID_STATUSES
         ]
 

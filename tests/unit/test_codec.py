@@ -176,7 +176,9 @@ def test_fuzz_ten_thousand_messages_through_the_receivers_match_a_recount() -> N
     for i in range(10_000):
         rank = i % 10
         node = TOPO.node_of(rank)
-        valid = make_report(rank, used=rnd.randrange(8), reused=rnd.randrange(3), seq=next_seq[rank])
+        valid = make_report(
+            rank, used=rnd.randrange(8), reused=rnd.randrange(3), seq=next_seq[rank]
+        )
         data = encode_rank_report(valid)
         if rnd.random() < 0.9:
             data = mutate(rnd, data)
@@ -204,7 +206,11 @@ def test_fuzz_ten_thousand_messages_through_the_receivers_match_a_recount() -> N
             {r: SourceState.FRESH for r in TOPO.ranks_on(node) if r in accepted},
             counters={r: IterationStats(counters[r]) for r in TOPO.ranks_on(node) if r in counters},  # type: ignore[arg-type]
         )
-        assert (after[1], after[2], after[3]) == (recount.gpu, recount.num_sequences_by_status, recount.counters)
+        assert (after[1], after[2], after[3]) == (
+            recount.gpu,
+            recount.num_sequences_by_status,
+            recount.counters,
+        )
     assert sum(reasons.values()) > 8_000
     assert len(reasons) >= 5
     assert num_accepted > 500  # the recount was exercised on many accepted reports

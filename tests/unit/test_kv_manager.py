@@ -68,7 +68,11 @@ def test_host_utilization_of_a_partial_node_counts_host_sequences_of_every_rank(
             (10, S.IN_DECODE): ["beyond the world"],
         }
     )
-    mgr = KVCacheManager(backend=SeedBackend(KVStats(num_free_pages=33, num_used_pages=67, num_total_pages=100), None))
+    mgr = KVCacheManager(
+        backend=SeedBackend(
+            KVStats(num_free_pages=33, num_used_pages=67, num_total_pages=100), None
+        )
+    )
     util = mgr.get_host_utilization(KVUtilizationRequest(9, 10, 1, 4, batch))
     assert util == HostKVUtilization(
         rank=9,
@@ -107,7 +111,9 @@ def test_node_range_is_clamped_to_the_world_for_every_rank(world: int, gpus: int
     rank = data.draw(st.integers(0, world - 1))
     counts = {r: {S.IN_DECODE: 1} for r in range(world + gpus)}  # 1 per rank, past the world too
     mgr = KVCacheManager(InMemoryBackend())
-    util = mgr.get_host_utilization(KVUtilizationRequest(rank, world, 0, gpus, RankStatusCounts(counts)))
+    util = mgr.get_host_utilization(
+        KVUtilizationRequest(rank, world, 0, gpus, RankStatusCounts(counts))
+    )
     start = (rank // gpus) * gpus
     assert util.node_id == rank // gpus
     assert util.num_in_decode == min(start + gpus, world) - start  # ranks on the node, no phantoms
@@ -116,7 +122,9 @@ def test_node_range_is_clamped_to_the_world_for_every_rank(world: int, gpus: int
 def test_the_seeds_prefill_trigger() -> None:
     def node(free: int, total: int) -> HostKVUtilization:
         used = total - free
-        return HostKVUtilization(0, 0, free, total, used, int(free / total * 100) if total else 100, 0, 0, 0, 0)
+        return HostKVUtilization(
+            0, 0, free, total, used, int(free / total * 100) if total else 100, 0, 0, 0, 0
+        )
 
     nodes = [node(10, 100), node(70, 100)]  # 10 % and 70 % free
     t = should_trigger_prefill(nodes, 50, has_queued=True)
@@ -130,7 +138,9 @@ def test_the_seeds_prefill_trigger() -> None:
 
 
 def test_kvfold_stats_types_convert_and_bad_input_is_named() -> None:
-    mgr = KVCacheManager(PagedCacheBackend(None, host=type("H", (), {"stats": lambda self: HostStats(100, 40)})()))
+    mgr = KVCacheManager(
+        PagedCacheBackend(None, host=type("H", (), {"stats": lambda self: HostStats(100, 40)})())
+    )
     assert mgr.get_host_free_pages() == 60
     assert mgr.get_gpu_free_pages() == 0
     with pytest.raises(TypeError, match="backend"):
@@ -153,12 +163,17 @@ def test_host_utilizations_of_a_view_take_fresh_nodes_only() -> None:
     from tests.unit.builders import make_report
 
     topo = Topology(10, 4)
-    reports = {r: make_report(r, statuses={S.PREFILLED: 1, S.IN_DECODE: 2, S.IN_PREFILL: 5}) for r in range(10)}
+    reports = {
+        r: make_report(r, statuses={S.PREFILLED: 1, S.IN_DECODE: 2, S.IN_PREFILL: 5})
+        for r in range(10)
+    }
     nodes = {
         n: fold_node(topo, n, {r: reports[r] for r in topo.ranks_on(n)}, HostStats(100, 10 * n), {})
         for n in range(3)
     }
-    view = fold_cluster(topo, nodes, {0: SourceState.FRESH, 1: SourceState.STALE, 2: SourceState.FRESH})
+    view = fold_cluster(
+        topo, nodes, {0: SourceState.FRESH, 1: SourceState.STALE, 2: SourceState.FRESH}
+    )
     utils = host_utilizations(view)
     assert [u.node_id for u in utils] == [0, 2]  # node 1 is stale: left out
     n2 = utils[1]
