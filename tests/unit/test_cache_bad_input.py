@@ -91,10 +91,15 @@ def test_write_outside_window_is_refused() -> None:
     import torch
 
     cache = make_cache(windows=(8,), num_layers=1)
-    assert cache.add_sequence("a", toks(0, 16))
-    k = torch.zeros(1, 2, 8)
-    with pytest.raises(ValueError, match="held range"):
+    assert cache.add_sequence("a", toks(0, 16))  # window [8, 16): blocks 2, 3 held
+    bytes_before = cache.storage.pools[8].clone()
+    before = (cache.stats(), cache.block_table("a", 8), cache.cumulative())
+    k = torch.ones(1, 2, 8)
+    with pytest.raises(ValueError, match=r"held range \[8, 16\) of window 8, got \[0, 0\]"):
         cache.write_kv("a", 0, [0], k, k)
-    with pytest.raises(ValueError, match="shape"):
-        cache.write_kv("a", 0, [12], torch.zeros(2, 2, 8), k)
-    make_config()  # the builder itself stays valid
+    with pytest.raises(ValueError, match=r"k must be a tensor of shape \(1, 2, 8\)"):
+        cache.write_kv("a", 0, [12], torch.ones(2, 2, 8), k)
+    with pytest.raises(ValueError, match="positions must hold non-negative"):
+        cache.write_kv("a", 0, [-1], k, k)
+    assert torch.equal(cache.storage.pools[8], bytes_before)  # not one byte written
+    assert (cache.stats(), cache.block_table("a", 8), cache.cumulative()) == before
