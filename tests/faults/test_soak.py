@@ -82,8 +82,10 @@ def test_soak(kv) -> None:  # type: ignore[no-untyped-def]
     ranks = ray.get([h.info.remote() for h in kv.rank_handles])
     sent = sum(r["reports_sent"] for r in ranks)
     wait_until(
-        lambda: sum(n["received"] for n in ray.get([h.counts.remote() for h in kv.node_handles]))
-        >= sent,
+        lambda: (
+            sum(n["received"] for n in ray.get([h.counts.remote() for h in kv.node_handles]))
+            >= sent
+        ),
         timeout_s=60,
     )
     ray.get([h.stop.remote() for h in kv.node_handles])

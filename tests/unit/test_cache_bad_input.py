@@ -6,7 +6,7 @@ import pytest
 
 from kvfold.stats import SequenceStatus
 from kvfold.worker import KVCacheConfig
-from tests.unit.builders import make_cache, make_config, toks
+from tests.unit.builders import make_cache, toks
 
 
 def snapshot(cache):  # type: ignore[no-untyped-def]
