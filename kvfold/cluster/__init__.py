@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvfold.cluster.local import LocalCluster, start_local_cluster
 
 if TYPE_CHECKING:
+    from kvfold.aggregator.client import KVFoldClient
     from kvfold.cluster.handle import KVFold, RankClient
 
 
@@ -23,8 +24,8 @@ def launch(*args: Any, **kwargs: Any) -> KVFold:
     return _launch(*args, **kwargs)
 
 
-def attach(*args: Any, **kwargs: Any) -> KVFold:
-    """A handle on a running kvfold (kvfold.cluster.launch.attach)."""
+def attach(*args: Any, **kwargs: Any) -> KVFoldClient:
+    """A client for a kvfold started elsewhere (kvfold.cluster.launch.attach)."""
     from kvfold.cluster.launch import attach as _attach
 
     return _attach(*args, **kwargs)
