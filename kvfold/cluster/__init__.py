@@ -18,22 +18,22 @@ if TYPE_CHECKING:
 
 
 def launch(*args: Any, **kwargs: Any) -> KVFold:
-    """Launch kvfold on the connected cluster (kvfold.cluster.launch.launch)."""
-    from kvfold.cluster.launch import launch as _launch
+    """Launch kvfold on the connected cluster (kvfold.cluster.launcher.launch)."""
+    from kvfold.cluster.launcher import launch as _launch
 
     return _launch(*args, **kwargs)
 
 
 def attach(*args: Any, **kwargs: Any) -> KVFoldClient:
-    """A client for a kvfold started elsewhere (kvfold.cluster.launch.attach)."""
-    from kvfold.cluster.launch import attach as _attach
+    """A client for a kvfold started elsewhere (kvfold.cluster.launcher.attach)."""
+    from kvfold.cluster.launcher import attach as _attach
 
     return _attach(*args, **kwargs)
 
 
 def teardown(*args: Any, **kwargs: Any) -> list[str]:
-    """Stop kvfold's actors in a namespace (kvfold.cluster.launch.teardown)."""
-    from kvfold.cluster.launch import teardown as _teardown
+    """Stop kvfold's actors in a namespace (kvfold.cluster.launcher.teardown)."""
+    from kvfold.cluster.launcher import teardown as _teardown
 
     return _teardown(*args, **kwargs)
 

@@ -24,7 +24,7 @@ from kvfold.view import ClusterView, SourceState
 from kvfold.workload.engine import StepResult
 
 if TYPE_CHECKING:
-    from kvfold.cluster.launch import LaunchSettings
+    from kvfold.cluster.launcher import LaunchSettings
 
 CALL_TIMEOUT_S = 30.0
 

@@ -80,7 +80,7 @@ def rank_report(rank: int, incarnation: int, seq: int, used: int = 0, total: int
             incarnation=incarnation,
             seq=seq,
             gpu={None: BlockGauges(total, used, 0, 4)},
-            deltas={None: BlockDeltas(alloc_new_blocks=5)},
+            deltas={None: BlockDeltas(alloc_total_blocks=5, alloc_new_blocks=5)},
             num_sequences_by_status=dict.fromkeys(SequenceStatus, 0),
         )
     )
