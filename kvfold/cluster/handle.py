@@ -96,6 +96,11 @@ class RankClient:
         verdict: str = self.call("report_now")
         return verdict
 
+    def trtllm_stats(self) -> dict[str, Any] | None:
+        """TensorRT-LLM's kvCacheStats shape (kvfold.worker.trtllm); None while unbound."""
+        out: dict[str, Any] | None = self.call("trtllm_stats")
+        return out
+
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = self.call("info")
         return info

@@ -211,9 +211,13 @@ def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untype
     seen = set()
     watching = threading.Event()
 
+    silences: list[tuple[SourceState, float]] = []  # (state, the node's silence) per view
+
     def state():  # type: ignore[no-untyped-def]
-        s = kv.view().node_states[node]
+        v = kv.view()
+        s = v.node_states[node]
         seen.add(s)
+        silences.append((s, v.node_age_s[node]))
         return s
 
     def watch() -> None:  # every state the view passes through, while the test works
@@ -242,9 +246,13 @@ def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untype
     t_fresh = time.monotonic() - t0
     watching.set()
     watcher.join()
-    assert STALE in seen  # stale at once; dead too once the outage outlasts dead_after_s
-    if t_up > kv.settings.dead_after_s + 0.5:
-        assert DEAD in seen, (t_up, seen)
+    assert STALE in seen  # stale at once
+    # dead whenever the aggregator's own clock saw the silence outlast dead_after_s (how long
+    # the restart takes is the machine's business; what the view says about it is ours)
+    longest = max(age for _, age in silences)
+    assert all(st is DEAD for st, age in silences if age >= kv.settings.dead_after_s), silences
+    if longest >= kv.settings.dead_after_s:
+        assert DEAD in seen, (longest, seen)
     # reports queued during the outage arrive first; the view converges on the ranks' truth
     wait_until(lambda: kv.view().nodes[node].gpu_total.num_blocks_used == 21, timeout_s=10)
     view = kv.view()

@@ -59,3 +59,18 @@ def test_block_bytes_survive_a_host_round_trip() -> None:
     data = cache.storage.read_block(None, b)  # GPU -> host bytes
     cache.storage.write_block(None, 60, data)  # host bytes -> GPU
     assert torch.equal(cache.storage.pools[None][60], cache.storage.pools[None][b])
+
+
+def test_the_cache_state_machine_on_cuda_storage() -> None:
+    """The byte-exactness and atomicity model (tests/unit/test_cache_state_machine.py) with
+    every pool on the GPU: evicted blocks reach the host tier as copies, onboarded bytes land."""
+    from hypothesis import settings
+
+    from tests.unit.test_cache_state_machine import CacheMachine
+
+    class CudaCacheMachine(CacheMachine):
+        DEVICE = "cuda"
+
+    test = CudaCacheMachine.TestCase
+    test.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+    test().runTest()

@@ -126,7 +126,7 @@ def test_a_failing_host_tier_is_a_miss_and_the_add_completes(kv) -> None:  # typ
     from dataclasses import replace
 
     r1 = kv.rank(1)
-    r1.bind(replace(CACHE, head_dim=4))  # node 0's tier holds head_dim 8 blocks
+    r1.call("bind", replace(CACHE, head_dim=4))  # node 0's tier holds head_dim 8 blocks
     before = r1.info()["host_fetch_failures"]
     prompt = list(range(7000, 7000 + 8 * B + 1))
     assert r1.add_sequence("refused", prompt)
@@ -134,7 +134,13 @@ def test_a_failing_host_tier_is_a_miss_and_the_add_completes(kv) -> None:  # typ
     assert (d.onboarded_blocks, d.missed_blocks, d.reused_blocks) == (0, 9, 0)
     r1.check_integrity()
     assert r1.info()["host_fetch_failures"] == before + 1
+    kv_stats = r1.trtllm_stats()["kvCacheStats"]  # the rebound cache's own counts
+    assert (kv_stats["missedBlocks"], kv_stats["reusedBlocks"], kv_stats["allocTotalBlocks"]) == (
+        9,
+        0,
+        9,
+    )
     r1.free_sequence("refused")
     r1.check_integrity()
     assert r1.stats().total.num_blocks_used == 0
-    r1.bind(CACHE)
+    r1.call("bind", CACHE)

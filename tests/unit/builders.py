@@ -21,7 +21,7 @@ def make_config(
         num_kv_heads=kw.pop("num_kv_heads", 2),  # type: ignore[arg-type]
         head_dim=kw.pop("head_dim", 8),  # type: ignore[arg-type]
         dtype=kw.pop("dtype", "float32"),  # type: ignore[arg-type]
-        device="cpu",
+        device=kw.pop("device", "cpu"),  # type: ignore[arg-type]
         enable_prefix_reuse=reuse,
         **kw,  # type: ignore[arg-type]
     )

@@ -79,6 +79,8 @@ def kv_value(salt: str | None, tokens: tuple[int, ...], layer: int) -> float:
 
 
 class CacheMachine(RuleBasedStateMachine):
+    DEVICE = "cpu"  # tests/gpu runs the same machine on CUDA storage
+
     def __init__(self) -> None:
         super().__init__()
         self.caches: list[PagedKVCache] = []
@@ -132,6 +134,7 @@ class CacheMachine(RuleBasedStateMachine):
             num_layers=len(windows),
             head_dim=2,
             num_kv_heads=1,
+            device=self.DEVICE,
         )
         self.host = CopyingHostTier(host_blocks, self._block_bytes) if host_blocks else None
         self.caches = [PagedKVCache(cfg, host_tier=self.host) for _ in range(2)]
@@ -160,7 +163,7 @@ class CacheMachine(RuleBasedStateMachine):
         for layer in range(cache.config.num_layers):
             w = cache.config.window_of_layer(layer)
             start = 0 if w is None else max(0, L - w)
-            k, v = cache.gather_kv(sid, layer)
+            k, v = (t.cpu() for t in cache.gather_kv(sid, layer))
             want = torch.tensor(
                 [kv_value(salt, tuple(tokens[: p + 1]), layer) for p in range(start, L)]
             )
