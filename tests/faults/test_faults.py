@@ -135,8 +135,8 @@ def test_hostile_input_is_refused_counted_and_changes_nothing(kv) -> None:  # ty
     assert ray.get(node0.ping.remote()) and ray.get(agg.ping.remote())  # both still up
     # two newer views folded since the refusals: nothing of them got in
     v1 = kv.view()
-    v2 = wait_until(lambda: kv.wait_for_version(v1.version, timeout_s=1.0), timeout_s=30)
-    wait_until(lambda: kv.wait_for_version(v2.version, timeout_s=1.0), timeout_s=30)  # type: ignore[union-attr]
+    v2 = wait_until(lambda: kv.wait_for_version(v1.version, timeout_s=1.0), timeout_s=60)
+    wait_until(lambda: kv.wait_for_version(v2.version, timeout_s=1.0), timeout_s=60)  # type: ignore[union-attr]
     assert stable(kv.view()) == before
     m = kv.client.counts()["refused"]
     assert m.get("identity_mismatch", 0) == 1
@@ -229,7 +229,7 @@ def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untype
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
 
-    wait_until(lambda: state() is not FRESH, timeout_s=10)
+    wait_until(lambda: state() is not FRESH, timeout_s=60)
     t_detect = time.monotonic() - t0
     # its ranks keep working meanwhile: growing, and evicting (offloads to a tier that is down)
     assert r.append_tokens("n1", list(range(4)))
@@ -241,7 +241,7 @@ def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untype
     wait_until(lambda: answers(kv.node(node)), timeout_s=60)
     t_up = time.monotonic() - t0
     wait_until(
-        lambda: state() is FRESH and kv.view().nodes[node].num_ranks_fresh == 2, timeout_s=30
+        lambda: state() is FRESH and kv.view().nodes[node].num_ranks_fresh == 2, timeout_s=60
     )
     t_fresh = time.monotonic() - t0
     watching.set()
@@ -254,7 +254,7 @@ def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untype
     if longest >= kv.settings.dead_after_s:
         assert DEAD in seen, (longest, seen)
     # reports queued during the outage arrive first; the view converges on the ranks' truth
-    wait_until(lambda: kv.view().nodes[node].gpu_total.num_blocks_used == 21, timeout_s=10)
+    wait_until(lambda: kv.view().nodes[node].gpu_total.num_blocks_used == 21, timeout_s=60)
     view = kv.view()
     assert view.nodes[node].gpu_total.num_blocks_used == 21  # counted once, not twice
     assert view.gpu_total.num_blocks_total == before.gpu_total.num_blocks_total
@@ -321,7 +321,7 @@ def test_the_aggregator_dies_and_is_rebuilt(kv) -> None:  # type: ignore[no-unty
         # an answer or an error, never a hang (bounds far above the protocol's timeouts)
         assert time.monotonic() - t_call < reader.timeout_s + 30
         assert time.monotonic() - t0 < 120
-        time.sleep(0.01)  # polling pace, not synchronisation
+        time.sleep(0.01)
     t_rebuilt = time.monotonic() - t0
     assert view.version > before.version  # keeps growing across the restart
     assert view.gpu_total == before.gpu_total  # rebuilt from the next pushes, exactly

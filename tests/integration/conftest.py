@@ -11,7 +11,7 @@ import pytest
 
 
 def wait_until(
-    cond: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.02
+    cond: Callable[[], object], timeout_s: float = 60.0, interval_s: float = 0.02
 ) -> object:
     """Poll `cond` until it returns something truthy; fail with the last value on timeout."""
     deadline = time.monotonic() + timeout_s

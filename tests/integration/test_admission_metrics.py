@@ -73,12 +73,12 @@ def test_counters_never_go_backwards_across_a_rank_restart(kv) -> None:  # type:
     old = kv.rank(3).info()["incarnation"]
     ray.kill(kv.rank_handles[3], no_restart=False)  # a crash; Ray restarts it
     wait_until(lambda: _incarnation(kv, 3) not in (None, old), timeout_s=60)
-    wait_until(lambda: kv.view().rank_summary(3)[0].incarnation not in (0, old), timeout_s=30)
+    wait_until(lambda: kv.view().rank_summary(3)[0].incarnation not in (0, old), timeout_s=60)
     after = scrape(url)["kvfold_blocks_total"][key]
     assert after >= before  # the new incarnation starts from 0; the node keeps the sum
     assert kv.rank(3).stats().total.num_blocks_used == 0  # a restarted rank is empty
     assert kv.rank(3).add_sequence("c2", list(range(5000, 5128)), report=True)  # 2 blocks
-    wait_until(lambda: scrape(url)["kvfold_blocks_total"][key] == before + 2, timeout_s=10)
+    wait_until(lambda: scrape(url)["kvfold_blocks_total"][key] == before + 2, timeout_s=60)
 
 
 def _incarnation(kv, rank: int) -> int | None:  # type: ignore[no-untyped-def]

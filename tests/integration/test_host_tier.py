@@ -48,7 +48,7 @@ def test_offload_then_onboard_on_another_rank_of_the_same_node(kv) -> None:  # t
     r0.free_sequence("p")  # 32 cached blocks on rank 0
     assert r0.add_sequence("push", list(range(90_000, 90_000 + 40 * B)))  # evicts all 32
     r0.free_sequence("push")
-    wait_until(lambda: host_stats(kv, 0).num_blocks_used == 32, timeout_s=10)
+    wait_until(lambda: host_stats(kv, 0).num_blocks_used == 32, timeout_s=60)
     r0.report_now()
     assert r0.cumulative().total.offloaded_blocks == 32  # confirmed by the host
     # rank 1 on the same node: 31 blocks onboarded, only the last computed
@@ -90,7 +90,7 @@ def test_host_lru_and_dropped_counts(kv) -> None:  # type: ignore[no-untyped-def
         r3.free_sequence(f"f{i}")
     assert r3.add_sequence("flush", list(range(500_000, 500_000 + 40 * B)))
     r3.free_sequence("flush")
-    wait_until(lambda: host_stats(kv, 1).offloaded_blocks >= 60, timeout_s=10)
+    wait_until(lambda: host_stats(kv, 1).offloaded_blocks >= 60, timeout_s=60)
     s = host_stats(kv, 1)
     # every offload landed: 60 full blocks of f0..f2 (+ up to 0 from flush, still on GPU)
     assert s.num_blocks_used == HOST_BLOCKS

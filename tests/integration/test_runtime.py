@@ -76,7 +76,7 @@ def test_sequences_show_up_with_exact_block_counts(kv) -> None:  # type: ignore[
         )
         return v if ok else None
 
-    view = wait_until(visible, timeout_s=10.0)
+    view = wait_until(visible, timeout_s=60)
     latency_s = time.monotonic() - t0
     for r, (_, full, win) in plan.items():
         summary, node_state = view.rank_summary(r)
@@ -140,7 +140,7 @@ def test_too_many_gpus_fails_in_time_and_leaves_nothing(kv) -> None:  # type: ig
     t0 = time.monotonic()
     with pytest.raises(PlacementError, match=r"missing \d+ GPU") as e:
         launch(20, 4, cache=CACHE, namespace="too-big", placement_timeout_s=3.0)
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 120  # fails (placement timeout 3 s), never hangs
     assert "20 ranks" in str(e.value)
     names = [
         a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "too-big"
@@ -217,7 +217,7 @@ def test_up_status_top_down_from_other_processes(kv, local_cluster) -> None:  # 
                 if a["namespace"] == "kv-up"
             ]
         ),
-        timeout_s=30,
+        timeout_s=60,
     )
     status = subprocess.run(
         [*cli, "status", *where], capture_output=True, text=True, env=env, timeout=120
