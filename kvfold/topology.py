@@ -15,13 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+from kvfold.checks import check_index, check_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +33,8 @@ class Topology:
     _node_to_ranks: tuple[tuple[int, ...], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_int("world_size", self.world_size, 1)
-        _check_int("gpus_per_node", self.gpus_per_node, 1)
+        check_int("world_size", self.world_size, 1)
+        check_int("gpus_per_node", self.gpus_per_node, 1)
         if not self._rank_to_node:
             g = self.gpus_per_node
             object.__setattr__(self, "_rank_to_node", tuple(r // g for r in range(self.world_size)))
@@ -72,7 +66,7 @@ class Topology:
         if not nodes:
             raise ValueError("rank_to_node must hold at least one rank, got none")
         for rank, node in enumerate(nodes):
-            _check_int(f"rank_to_node[{rank}]", node, 0)
+            check_int(f"rank_to_node[{rank}]", node, 0)
         used = sorted(set(nodes))
         if used != list(range(len(used))):
             raise ValueError(f"node ids must be dense 0..M-1, got {used}")
@@ -89,16 +83,10 @@ class Topology:
         return self._rank_to_node[rank]
 
     def check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(f"rank must be an int, got {rank!r}")
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        check_index("rank", rank, self.world_size)
 
     def check_node(self, node: int) -> None:
-        if isinstance(node, bool) or not isinstance(node, int):
-            raise TypeError(f"node must be an int, got {node!r}")
-        if not 0 <= node < self.num_nodes:
-            raise ValueError(f"node must be in [0, {self.num_nodes}), got {node}")
+        check_index("node", node, self.num_nodes)
 
     def ranks_on(self, node: int) -> tuple[int, ...]:
         """Every rank on `node`, for contiguous and explicit topologies alike."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvfold.checks import check_int, check_positive
 from kvfold.stats import Window, window_sort_key
 from kvfold.view import ClusterView, SourceState
 
@@ -60,15 +61,7 @@ class AdmissionRequest:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
         for name in ("prompt_tokens", "max_new_tokens"):
-            v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, int)
-                or v < (1 if name == "prompt_tokens" else 0)
-            ):
-                raise ValueError(
-                    f"{name} must be an int >= {1 if name == 'prompt_tokens' else 0}, got {v!r}"
-                )
+            check_int(name, getattr(self, name), 1 if name == "prompt_tokens" else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,14 +160,8 @@ class AdmissionPolicy:
     ) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {policy!r}")
-        if (
-            isinstance(watermark_blocks, bool)
-            or not isinstance(watermark_blocks, int)
-            or watermark_blocks < 0
-        ):
-            raise ValueError(f"watermark_blocks must be an int >= 0, got {watermark_blocks!r}")
-        if not reservation_ttl_s > 0:
-            raise ValueError(f"reservation_ttl_s must be > 0, got {reservation_ttl_s!r}")
+        check_int("watermark_blocks", watermark_blocks, 0)
+        check_positive("reservation_ttl_s", reservation_ttl_s)
         if no_fresh not in (Outcome.QUEUE, Outcome.REJECT):
             raise ValueError(f"no_fresh must be QUEUE or REJECT, got {no_fresh!r}")
         self.policy = policy

@@ -19,6 +19,7 @@ import ray
 from kvfold.aggregator.client import incarnation_of, is_gone
 from kvfold.aggregator.cluster_state import ClusterState
 from kvfold.aggregator.receiver import ACCEPTED
+from kvfold.checks import is_int
 from kvfold.naming import node_actor_name
 from kvfold.stats import Window
 from kvfold.topology import Topology
@@ -96,7 +97,7 @@ class ClusterAggregator:
         parsed: dict[tuple[str, str], int] = {}
         for key, value in list(counts.items())[:256]:
             outcome, _, reason = str(key).partition(":")
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            if is_int(value) and value >= 0:
                 parsed[(outcome[:32], reason[:64])] = value
         with self.cond:
             self.admission[str(scheduler)[:128]] = parsed

@@ -23,6 +23,7 @@ from collections import Counter, deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from kvfold.checks import check_positive
 from kvfold.view import SourceState
 
 RETIRED_KEPT = 16  # old incarnations remembered per source
@@ -58,17 +59,12 @@ class _Source:
     gaps: set[int] = field(default_factory=set)  # seqs skipped over, still welcome late
 
 
-def _check_positive(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-
-
 class FreshnessTracker:
     """Per-source incarnation, last sequence number and receive time."""
 
     def __init__(self, stale_after_s: float, dead_after_s: float) -> None:
-        _check_positive("stale_after_s", stale_after_s)
-        _check_positive("dead_after_s", dead_after_s)
+        check_positive("stale_after_s", stale_after_s)
+        check_positive("dead_after_s", dead_after_s)
         if dead_after_s < stale_after_s:
             raise ValueError(
                 f"dead_after_s ({dead_after_s}) must be >= stale_after_s ({stale_after_s})"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvfold.checks import check_int
 from kvfold.errors import IntegrityError
 from kvfold.stats import HostStats, Window
 
@@ -61,9 +62,8 @@ def unpack_blocks(packed: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
 
 class HostKVPool:
     def __init__(self, num_blocks: int, slot_nbytes: int, pin_memory: bool | None = None) -> None:
-        for name, v in (("num_blocks", num_blocks), ("slot_nbytes", slot_nbytes)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        check_int("num_blocks", num_blocks, 0)
+        check_int("slot_nbytes", slot_nbytes, 0)
         if num_blocks and slot_nbytes < 1:
             raise ValueError(f"slot_nbytes must be >= 1 for a host tier, got {slot_nbytes}")
         self.num_blocks = num_blocks

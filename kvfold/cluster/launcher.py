@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import (
 from kvfold.aggregator.client import KVFoldClient
 from kvfold.aggregator.cluster_actor import ClusterAggregator
 from kvfold.aggregator.node_actor import HostKVActor
+from kvfold.checks import check_int, check_positive
 from kvfold.cluster.handle import KVFold
 from kvfold.errors import KVFoldError, PlacementError
 from kvfold.naming import (
@@ -38,11 +39,6 @@ from kvfold.naming import (
 from kvfold.topology import Topology
 from kvfold.worker.config import KVCacheConfig
 from kvfold.worker.rank_actor import RankWorker
-
-
-def _positive(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -61,19 +57,14 @@ class LaunchSettings:
     rank_max_restarts: int
 
     def __post_init__(self) -> None:
-        ws = self.world_size
-        if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {ws!r}")
-        gpn = self.gpus_per_node
-        if gpn is not None and (isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1):
-            raise ValueError(f"gpus_per_node must be an int >= 1 or None, got {gpn!r}")
+        check_int("world_size", self.world_size, 1)
+        if self.gpus_per_node is not None:
+            check_int("gpus_per_node", self.gpus_per_node, 1)
         if self.cache is not None and not isinstance(self.cache, KVCacheConfig):
             raise TypeError(
                 f"cache must be a KVCacheConfig or None, got {type(self.cache).__name__}"
             )
-        hb = self.host_num_blocks
-        if isinstance(hb, bool) or not isinstance(hb, int) or hb < 0:
-            raise ValueError(f"host_num_blocks must be an int >= 0, got {hb!r}")
+        check_int("host_num_blocks", self.host_num_blocks, 0)
         for name in (
             "report_interval_s",
             "stale_after_s",
@@ -81,7 +72,7 @@ class LaunchSettings:
             "placement_timeout_s",
             "gpus_per_rank",
         ):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.dead_after_s < self.stale_after_s:
             raise ValueError(
                 f"dead_after_s ({self.dead_after_s}) must be >= "

@@ -16,6 +16,7 @@ import logging
 import uuid
 from typing import Any
 
+from kvfold.checks import check_int
 from kvfold.ray_env import save_token, secure_embedded_cluster
 
 log = logging.getLogger("kvfold.cluster")
@@ -42,9 +43,8 @@ class LocalCluster:
         namespace: str | None = None,
         connect: bool = True,
     ) -> None:
-        for name, v in (("num_nodes", num_nodes), ("gpus_per_node", gpus_per_node)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        check_int("num_nodes", num_nodes, 1)
+        check_int("gpus_per_node", gpus_per_node, 1)
         self.token_auth = secure_embedded_cluster()
         if not self.token_auth:
             log.warning(

@@ -29,6 +29,7 @@ from kvfold.admission import (
     Outcome,
     Policy,
 )
+from kvfold.checks import check_positive
 from kvfold.cluster.handle import KVFold
 from kvfold.view import ClusterView
 from kvfold.worker.hashing import block_keys
@@ -50,9 +51,7 @@ class ReplayConfig:
 
     def __post_init__(self) -> None:
         for name in ("time_scale", "step_interval_s", "decode_tokens_per_s", "sample_interval_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
+            check_positive(name, getattr(self, name))
 
 
 def replay(

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvfold.checks import is_int
 from kvfold.stats import (
     DELTA_FIELDS,
     VALID_STATUSES,
@@ -87,7 +88,7 @@ class _Sequence:
 
 
 def _check_seq_id(seq_id: object) -> SeqId:
-    if isinstance(seq_id, bool) or not isinstance(seq_id, (str, int)):
+    if not isinstance(seq_id, str) and not is_int(seq_id):
         raise TypeError(f"seq_id must be a str or int, got {seq_id!r} ({type(seq_id).__name__})")
     return seq_id
 

@@ -6,18 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfold.checks import check_bool, check_index, check_int
 from kvfold.stats import Window, window_sort_key
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -45,15 +38,15 @@ class KVCacheConfig:
     _layers: dict[Window, tuple[int, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _positive_int("tokens_per_block", self.tokens_per_block)
-        _positive_int("num_layers", self.num_layers)
-        _positive_int("num_kv_heads", self.num_kv_heads)
-        _positive_int("head_dim", self.head_dim)
+        check_int("tokens_per_block", self.tokens_per_block, 1)
+        check_int("num_layers", self.num_layers, 1)
+        check_int("num_kv_heads", self.num_kv_heads, 1)
+        check_int("head_dim", self.head_dim, 1)
         if not isinstance(self.windows, tuple) or not self.windows:
             raise ValueError(f"windows must be a non-empty tuple, got {self.windows!r}")
         for w in self.windows:
             if w is not None:
-                _positive_int(f"window {w!r}", w)
+                check_int(f"window {w!r}", w, 1)
         if len(set(self.windows)) != len(self.windows):
             raise ValueError(f"windows must be distinct, got {self.windows!r}")
         if self.dtype not in DTYPE_BYTES:
@@ -62,8 +55,7 @@ class KVCacheConfig:
             self.device in DEVICES or self.device.startswith("cuda:")
         ):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if not isinstance(self.enable_prefix_reuse, bool):
-            raise TypeError(f"enable_prefix_reuse must be a bool, got {self.enable_prefix_reuse!r}")
+        check_bool("enable_prefix_reuse", self.enable_prefix_reuse)
         object.__setattr__(self, "windows", tuple(sorted(self.windows, key=window_sort_key)))
         blocks: dict[Window, int] = {}
         if isinstance(self.num_blocks, Mapping):
@@ -73,9 +65,9 @@ class KVCacheConfig:
                     f"exactly the windows {list(self.windows)}"
                 )
             for w in self.windows:
-                blocks[w] = _positive_int(f"num_blocks[{w!r}]", self.num_blocks[w])
+                blocks[w] = check_int(f"num_blocks[{w!r}]", self.num_blocks[w], 1)
         else:
-            n = _positive_int("num_blocks", self.num_blocks)
+            n = check_int("num_blocks", self.num_blocks, 1)
             blocks = dict.fromkeys(self.windows, n)
         layer_windows = self.layer_windows
         if layer_windows is None:
@@ -106,10 +98,7 @@ class KVCacheConfig:
         return self._layers[window]
 
     def window_of_layer(self, layer: int) -> Window:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer must be an int, got {layer!r}")
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        check_index("layer", layer, self.num_layers)
         assert self.layer_windows is not None
         return self.layer_windows[layer]
 
@@ -145,8 +134,7 @@ class KVCacheConfig:
         Every window pool gets the same number of blocks, the most that fits:
         num_blocks = budget_bytes // sum(bytes_per_block over windows).
         """
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
-            raise TypeError(f"budget_bytes must be an int, got {budget_bytes!r}")
+        check_int("budget_bytes", budget_bytes)
         if "num_blocks" in kwargs:
             raise ValueError("num_blocks is derived from budget_bytes; do not pass both")
         probe = cls(num_blocks=1, **kwargs)

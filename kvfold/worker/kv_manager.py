@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from kvfold.checks import check_int
 from kvfold.stats import BlockGauges, HostStats, SequenceStatus
 from kvfold.stats import KVStats as GpuStats
 from kvfold.view import ClusterView, SourceState
@@ -105,9 +106,7 @@ class KVUtilizationRequest:
 
     def __post_init__(self) -> None:
         for name in ("rank", "world_size", "local_rank", "num_gpus_per_node"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {v!r}")
+            check_int(name, getattr(self, name))
         if self.world_size < 1 or self.num_gpus_per_node < 1:
             raise ValueError(
                 f"world_size and num_gpus_per_node must be >= 1, got {self.world_size} "
@@ -215,8 +214,7 @@ def should_trigger_prefill(
 ) -> PrefillTrigger:
     """Trigger prefill when some node's host free_percent is above the watermark (its
     host tier is under-used) and work is waiting (queued, or evicted sequences)."""
-    if isinstance(watermark_free_percent, bool) or not isinstance(watermark_free_percent, int):
-        raise TypeError(f"watermark_free_percent must be an int, got {watermark_free_percent!r}")
+    check_int("watermark_free_percent", watermark_free_percent)
     nodes = list(node_stats)
     if not nodes:
         return PrefillTrigger(False, None, 0, 0, 100, 0)

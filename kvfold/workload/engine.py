@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvfold.checks import check_int
 from kvfold.stats import SequenceStatus
 from kvfold.worker.cache import PagedKVCache, SeqId
 
@@ -49,12 +50,7 @@ class SimEngine:
     def step(self, admits: Sequence[EngineRequest] = (), decode_tokens: int = 1) -> StepResult:
         """One engine step; each running sequence decodes up to `decode_tokens` tokens
         (a coarse step stands for several engine iterations when time is compressed)."""
-        if (
-            isinstance(decode_tokens, bool)
-            or not isinstance(decode_tokens, int)
-            or decode_tokens < 1
-        ):
-            raise ValueError(f"decode_tokens must be an int >= 1, got {decode_tokens!r}")
+        check_int("decode_tokens", decode_tokens, 1)
         cache = self.cache
         finished: list[SeqId] = []
         on_hold: list[SeqId] = []
