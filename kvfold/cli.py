@@ -114,7 +114,7 @@ class LiveTable:
         self.stream.flush()
 
 
-def _progress_hook(table: LiveTable, total_wall_s: float | None):  # type: ignore[no-untyped-def]
+def _progress_hook(table: LiveTable):  # type: ignore[no-untyped-def]
     from kvfold.display import render_table
 
     def hook(view: Any, rec: Any, wall: float) -> None:
@@ -172,7 +172,7 @@ def _run_embedded(args: argparse.Namespace, workload: Any, stem: str, replay_cfg
         )
         print(f"kvfold: replaying {len(workload)} requests ...", flush=True)
         table = LiveTable()
-        rec = replay(kv, workload, replay_cfg, on_sample=_progress_hook(table, None))
+        rec = replay(kv, workload, replay_cfg, on_sample=_progress_hook(table))
         from kvfold.display import render_table
 
         print(render_table(kv.view(), title="\nfinal view"))

@@ -27,6 +27,7 @@ import msgpack
 from kvfold.errors import ReportError
 from kvfold.stats import (
     DELTA_FIELDS,
+    GAUGE_FIELDS,
     HOST_FIELDS,
     BlockDeltas,
     BlockGauges,
@@ -76,10 +77,7 @@ def _delta_rows(values: Mapping[Window, BlockDeltas]) -> list[list[Any]]:
 def _gauges(g: Mapping[Window, BlockGauges] | None) -> list[list[Any]] | None:
     if g is None:
         return None
-    return [
-        [w, v.num_blocks_total, v.num_blocks_used, v.num_blocks_cached, v.tokens_per_block]
-        for w, v in g.items()
-    ]
+    return [[w, *v.as_tuple()] for w, v in g.items()]
 
 
 def _statuses(counts: Mapping[SequenceStatus, int]) -> list[int]:
@@ -166,7 +164,7 @@ def _encode_node_report(
             "q": _statuses(util.num_sequences_by_status),
             "d": _delta_rows(util.deltas.windows),
             "c": _delta_rows(util.counters.windows),
-            "h": None if util.host is None else [getattr(util.host, f) for f in HOST_FIELDS],
+            "h": None if util.host is None else list(util.host.as_tuple()),
             "x": [[r, int(c)] for r, c in sorted((refused or {}).items())][:MAX_REASONS],
         }
     )
@@ -253,7 +251,7 @@ def _gpu(
 ) -> dict[Window, BlockGauges] | None:
     if rows is None:
         return None
-    return _per_window(rows, name, 4, known, _make_gauges)
+    return _per_window(rows, name, len(GAUGE_FIELDS), known, _make_gauges)
 
 
 _ALLOC_TOTAL = DELTA_FIELDS.index("alloc_total_blocks")

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 DEFAULT_NAMESPACE = "kvfold"
-AGGREGATOR_NAME = "kvfold:aggregator"
-PLACEMENT_GROUP_NAME = "kvfold:ranks"
 PREFIX = "kvfold:"
+AGGREGATOR_NAME = f"{PREFIX}aggregator"
+PLACEMENT_GROUP_NAME = f"{PREFIX}ranks"
 
 
 def node_actor_name(node: int) -> str:
-    return f"kvfold:node:{node}"
+    return f"{PREFIX}node:{node}"
 
 
 def rank_actor_name(rank: int) -> str:
-    return f"kvfold:rank:{rank}"
+    return f"{PREFIX}rank:{rank}"

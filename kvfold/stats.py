@@ -82,6 +82,9 @@ class BlockGauges:
     def __add__(self, other: BlockGauges) -> BlockGauges:
         return total_of((self, other))
 
+    def as_tuple(self) -> tuple[int, ...]:
+        return _gauge_values(self)
+
 
 @dataclass(frozen=True, slots=True)
 class BlockDeltas:
@@ -119,13 +122,11 @@ class BlockDeltas:
     def as_tuple(self) -> tuple[int, ...]:
         return _delta_values(self)
 
-    def is_zero(self) -> bool:
-        return not any(self.as_tuple())
-
 
 DELTA_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlockDeltas))
 _delta_values = attrgetter(*DELTA_FIELDS)
 GAUGE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(BlockGauges))
+_gauge_values = attrgetter(*GAUGE_FIELDS)
 
 
 def sum_gauges(items: Iterable[Mapping[Window, BlockGauges]]) -> dict[Window, BlockGauges]:

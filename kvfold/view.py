@@ -53,11 +53,6 @@ class RankSummary:
     def num_blocks_free(self) -> int:
         return total_of(self.gpu.values()).num_blocks_free if self.gpu else 0
 
-    def free_blocks(self, window: Window) -> int:
-        if not self.gpu or window not in self.gpu:
-            return 0
-        return self.gpu[window].num_blocks_free
-
 
 @dataclass(frozen=True, slots=True)
 class NodeUtilization:

@@ -90,7 +90,3 @@ class AdmissionController:
     def release(self, request_id: str) -> bool:
         with self.lock:
             return self.policy.release(request_id)
-
-    def num_reserved(self) -> int:
-        with self.lock:
-            return len(self.policy.reservations)

@@ -176,8 +176,6 @@ class AdmissionPolicy:
         self._capacity: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._key_to_rank: OrderedDict[bytes, int] = OrderedDict()
         self._affinity_keys = affinity_keys
-        self.released_by_report = 0
-        self.released_by_ttl = 0
 
     # ---------------------------------------------------------------- views
 
@@ -204,7 +202,6 @@ class AdmissionPolicy:
                 res.blocks = {w: n - res.prompt_blocks.get(w, 0) for w, n in res.blocks.items()}
                 res.accounted = True
                 self._add(res, +1)
-                self.released_by_report += 1
         self.expire(now_s)
 
     def expire(self, now_s: float) -> None:
@@ -214,7 +211,6 @@ class AdmissionPolicy:
             ttl = self.residual_ttl_s if r.accounted else self.ttl_s
             if now_s - r.made_at_s >= ttl:
                 self._drop(rid)
-                self.released_by_ttl += 1
 
     def _add(self, res: Reservation, sign: int) -> None:
         assert self.index is not None

@@ -105,9 +105,6 @@ class ClusterAggregator:
     def ping(self) -> int:
         return self.state.version
 
-    def topology_list(self) -> list[int]:
-        return self.topology.as_list()
-
     @ray.method(concurrency_group="reports")
     def node_report(self, data: bytes) -> str:
         """A node's report: "accepted", or the reason it was refused (counted).

@@ -75,7 +75,6 @@ class FreshnessTracker:
         self.dropped: Counter[str] = Counter()  # by Verdict value
         self.num_accepted = 0
         self.num_restarts = 0
-        self.num_late = 0
 
     def check(self, source: Hashable, incarnation: int, seq: int) -> Verdict:
         """What `observe` would answer, without changing anything."""
@@ -112,7 +111,6 @@ class FreshnessTracker:
         elif verdict is Verdict.LATE:
             s.gaps.discard(seq)
             s.last_seen_s = now_s  # late, but alive
-            self.num_late += 1
         else:
             floor = seq - LATE_WINDOW
             s.gaps = {g for g in s.gaps if g > floor}
@@ -128,9 +126,6 @@ class FreshnessTracker:
             self._sources[source] = _Source(incarnation=-1, last_seq=0, last_seen_s=float("-inf"))
             s = self._sources[source]
         s.told_dead = True
-
-    def forget(self, source: Hashable) -> None:
-        self._sources.pop(source, None)
 
     def state(self, source: Hashable, now_s: float) -> SourceState:
         s = self._sources.get(source)
@@ -156,17 +151,3 @@ class FreshnessTracker:
     def last_seq(self, source: Hashable) -> int | None:
         s = self._sources.get(source)
         return None if s is None else s.last_seq
-
-    def next_change_s(self, now_s: float) -> float | None:
-        """Seconds until some source's state changes by time alone (for timers)."""
-        best: float | None = None
-        for s in self._sources.values():
-            if s.told_dead:
-                continue
-            age = now_s - s.last_seen_s
-            for limit in (self.stale_after_s, self.dead_after_s):
-                if age < limit:
-                    wait = limit - age
-                    best = wait if best is None else min(best, wait)
-                    break
-        return best

@@ -87,7 +87,6 @@ class HostKVPool:
         self.dropped_blocks = 0
         self.evicted_blocks = 0
         self.refused_blocks = 0
-        self.duplicate_puts = 0
 
     @property
     def enabled(self) -> bool:
@@ -112,7 +111,6 @@ class HostKVPool:
         hk = (window, key)
         if hk in self._entries:
             self._entries.move_to_end(hk)
-            self.duplicate_puts += 1
             return False
         if not self._free_slots:
             self._evict_lru()
