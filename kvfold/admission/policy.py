@@ -33,6 +33,7 @@ import numpy.typing as npt
 from kvfold.checks import check_int, check_positive
 from kvfold.stats import Window, window_sort_key
 from kvfold.view import ClusterView, SourceState
+from kvfold.worker.windows import window_manager
 
 IntArray = npt.NDArray[np.int64]
 
@@ -81,13 +82,11 @@ def blocks_needed(
     tokens_per_block: int,
     policy: Policy,
 ) -> dict[Window, int]:
+    """The most blocks each window group holds while the request runs (kvfold.worker.windows):
+    to its declared length under GUARANTEED_NO_EVICT, the prompt plus one block else."""
     B = tokens_per_block
-    if policy is Policy.GUARANTEED_NO_EVICT:
-        F = prompt_tokens + max_new_tokens
-    else:
-        F = prompt_tokens + B
-    full = -(-F // B)
-    return {w: full if w is None else min(full, -(-w // B) + 1) for w in windows}
+    F = prompt_tokens + (max_new_tokens if policy is Policy.GUARANTEED_NO_EVICT else B)
+    return {w: window_manager(w, B).max_blocks(F) for w in windows}
 
 
 @dataclass(slots=True)

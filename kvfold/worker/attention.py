@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from kvfold.worker.cache import PagedKVCache, SeqId
+from kvfold.worker.cache import PagedKVCache
+from kvfold.worker.sequence import SeqId
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -39,7 +40,7 @@ def paged_attention(
     first = cache.first_block_index(seq_id, window)
     length = cache.num_tokens(seq_id)
     B = cache.block_size
-    start = 0 if window is None else max(0, length - window)
+    start = cache.managers[window].first_token(length)
     pool = cache.storage.pools[window]
     slot = cache.storage.slot_of_layer(layer)
     num_heads, d = q.shape

@@ -43,6 +43,32 @@ class BlockPool:
     def lookup(self, key: bytes) -> int | None:
         return self.key_to_block.get(key)
 
+    def cached_run(self, keys: Iterable[bytes]) -> list[int]:
+        """The blocks holding `keys`, from the first, up to the first key not held."""
+        lookup = self.key_to_block.get
+        out: list[int] = []
+        for key in keys:
+            b = lookup(key)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def can_take(
+        self, n: int, attaching: Iterable[int] = (), releasing: Iterable[int] = ()
+    ) -> bool:
+        """Whether `take(n)` would succeed after attaching `attaching` (cached blocks
+        leave the free count) and releasing `releasing` once (blocks held once return)."""
+        refs = self.ref_counts
+        revived = sum(1 for b in attaching if refs[b] == 0)
+        freed = sum(1 for b in releasing if refs[b] == 1)
+        return n + revived <= self.num_free + freed
+
+    def attach_all(self, blocks: Iterable[int]) -> None:
+        """`attach` each block (a run of prefix hits)."""
+        for b in blocks:
+            self.attach(b)
+
     def take(self, n: int) -> list[int] | None:
         """Give out `n` blocks with ref_count 1, or None (nothing changed) if short."""
         if n > len(self.free_unkeyed) + len(self.evictable):

@@ -1,73 +1,104 @@
-"""check_cache_integrity: recount a PagedKVCache from its block tables.
+"""check_cache_integrity: recount a paged KV cache from its block tables.
 
 Invariants (DESIGN 3.3): used + cached + free == total per window; every reference
 count equals the number of block tables holding the block; no block both free and
 referenced; counters equal a recount (alloc_total + reused - released == held
-references); each sequence holds exactly the blocks its window says; status
-counts match; every taken block was fresh or evicted (alloc_total == alloc_new + evicted).
-Raises IntegrityError with the numbers that failed to balance.
+references); every taken block was fresh or evicted (alloc_total == alloc_new +
+evicted); each sequence holds exactly the blocks its window says; status counts
+match. Raises IntegrityError with the numbers that failed to balance.
+
+Reads the cache through `CacheState` (what PagedKVCache exposes), so this module
+and the cache do not import each other.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from kvfold.errors import IntegrityError
-from kvfold.stats import SequenceStatus
-
-if TYPE_CHECKING:
-    from kvfold.worker.cache import PagedKVCache
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+from kvfold.stats import VALID_STATUSES, IterationStats, SequenceStatus, Window
+from kvfold.worker.block_pool import BlockPool
+from kvfold.worker.windows import WindowManager
 
 
-def check_cache_integrity(cache: PagedKVCache) -> None:
-    B = cache.block_size
+class SequenceState(Protocol):
+    @property
+    def seq_id(self) -> object: ...
+    @property
+    def status(self) -> SequenceStatus: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def tables(self) -> Mapping[Window, list[int]]: ...
+    @property
+    def first(self) -> Mapping[Window, int]: ...
+
+
+class CacheState(Protocol):
+    @property
+    def pools(self) -> Mapping[Window, BlockPool]: ...
+    @property
+    def managers(self) -> Mapping[Window, WindowManager]: ...
+    @property
+    def seqs(self) -> Mapping[Any, SequenceState]: ...
+    @property
+    def status_counts(self) -> Mapping[SequenceStatus, int]: ...
+    @property
+    def released_refs(self) -> Mapping[Window, int]: ...
+
+    def cumulative(self) -> IterationStats: ...
+
+
+def check_cache_integrity(cache: CacheState) -> None:
+    cum = cache.cumulative()
     for w, pool in cache.pools.items():
         expected = [0] * pool.num_blocks
-        for seq in cache._seqs.values():
+        for seq in cache.seqs.values():
             for b in seq.tables.get(w, ()):
                 expected[b] += 1
         pool.check_integrity(expected)
-        cum = cache.cumulative().windows[w]
-        refs = sum(expected)
-        balance = cum.alloc_total_blocks + cum.reused_blocks - cache._released_refs[w]
-        if balance != refs:
-            raise IntegrityError(
-                f"window {w!r}: alloc_total {cum.alloc_total_blocks} + reused "
-                f"{cum.reused_blocks} - released {cache._released_refs[w]} = {balance} "
-                f"!= held references {refs}"
-            )
-        if cum.alloc_new_blocks + cum.evicted_blocks != cum.alloc_total_blocks:
-            raise IntegrityError(
-                f"window {w!r}: alloc_new {cum.alloc_new_blocks} + evicted "
-                f"{cum.evicted_blocks} != alloc_total {cum.alloc_total_blocks}"
-            )
-        if cum.onboarded_blocks > cum.alloc_total_blocks:
-            raise IntegrityError(
-                f"window {w!r}: onboarded {cum.onboarded_blocks} > alloc_total "
-                f"{cum.alloc_total_blocks}"
-            )
+        _check_counters(w, cum, sum(expected), cache.released_refs[w])
     counts = dict.fromkeys(SequenceStatus, 0)
-    for seq in cache._seqs.values():
+    for seq in cache.seqs.values():
         counts[seq.status] += 1
-        for w in cache.windows:
-            held = len(seq.tables.get(w, ()))
-            if not seq.holds_blocks:
-                if held:
-                    raise IntegrityError(
-                        f"seq {seq.seq_id!r} is {seq.status.name} but holds {held} blocks"
-                    )
-                continue
-            n = _ceil_div(seq.num_tokens, B)
-            want = n - seq.first[w]
-            lo = 0 if w is None else max(0, seq.num_tokens - w) // B
-            if held != want or seq.first[w] < lo:
+        _check_tables(cache, seq)
+    if counts != dict(cache.status_counts):
+        raise IntegrityError(f"status counts {dict(cache.status_counts)} != recount {counts}")
+
+
+def _check_counters(w: Window, cumulative: IterationStats, refs: int, released: int) -> None:
+    c = cumulative.windows[w]
+    balance = c.alloc_total_blocks + c.reused_blocks - released
+    if balance != refs:
+        raise IntegrityError(
+            f"window {w!r}: alloc_total {c.alloc_total_blocks} + reused {c.reused_blocks} "
+            f"- released {released} = {balance} != held references {refs}"
+        )
+    if c.alloc_new_blocks + c.evicted_blocks != c.alloc_total_blocks:
+        raise IntegrityError(
+            f"window {w!r}: alloc_new {c.alloc_new_blocks} + evicted {c.evicted_blocks} "
+            f"!= alloc_total {c.alloc_total_blocks}"
+        )
+    if c.onboarded_blocks > c.alloc_total_blocks:
+        raise IntegrityError(
+            f"window {w!r}: onboarded {c.onboarded_blocks} > alloc_total {c.alloc_total_blocks}"
+        )
+
+
+def _check_tables(cache: CacheState, seq: SequenceState) -> None:
+    for w, mgr in cache.managers.items():
+        held = len(seq.tables.get(w, ()))
+        if seq.status not in VALID_STATUSES:
+            if held:
                 raise IntegrityError(
-                    f"seq {seq.seq_id!r} window {w!r}: holds {held} blocks from "
-                    f"{seq.first[w]}, expected {want} from >= {lo} for {seq.num_tokens} tokens"
+                    f"seq {seq.seq_id!r} is {seq.status.name} but holds {held} blocks"
                 )
-    if counts != cache._status_counts:
-        raise IntegrityError(f"status counts {cache._status_counts} != recount {counts}")
+            continue
+        lo = mgr.first_block(seq.num_tokens)
+        want = mgr.num_blocks(seq.num_tokens) + lo - seq.first[w]
+        if held != want or seq.first[w] < lo:
+            raise IntegrityError(
+                f"seq {seq.seq_id!r} window {w!r}: holds {held} blocks from "
+                f"{seq.first[w]}, expected {want} from >= {lo} for {seq.num_tokens} tokens"
+            )

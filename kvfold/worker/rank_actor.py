@@ -34,8 +34,9 @@ from kvfold.stats import (
     sum_deltas,
 )
 from kvfold.topology import Topology
-from kvfold.worker.cache import PagedKVCache, SeqId
+from kvfold.worker.cache import PagedKVCache
 from kvfold.worker.config import KVCacheConfig
+from kvfold.worker.sequence import SeqId
 from kvfold.workload.engine import EngineRequest, SimEngine, StepResult
 
 ACK_TIMEOUT_S = 2.0

@@ -72,6 +72,37 @@ class KVStorage:
         pool[block_ids, slot, 0, offsets] = k.to(device=self.device, dtype=self.dtype)
         pool[block_ids, slot, 1, offsets] = v.to(device=self.device, dtype=self.dtype)
 
+    def write_tokens(
+        self,
+        window: Window,
+        layer: int,
+        held: tuple[list[int], int, int],
+        positions: np.ndarray,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Write K/V of one layer at token `positions` of a sequence whose `held` blocks
+        are (block table, logical index of its first block, number of tokens). Checks
+        everything before writing a byte."""
+        table, first, num_tokens = held
+        B = self.config.tokens_per_block
+        shape = (int(positions.size), *self.token_shape)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a tensor of shape {shape}, got {got}")
+        if positions.size == 0:
+            return
+        logical = positions // B
+        if int(positions.max()) >= num_tokens or int(logical.min()) < first:
+            raise ValueError(
+                f"positions must lie in the held range [{first * B}, {num_tokens}) of "
+                f"window {window!r}, got [{int(positions.min())}, {int(positions.max())}]"
+            )
+        blocks = torch.tensor([table[i - first] for i in logical.tolist()], dtype=torch.long)
+        offsets = torch.from_numpy(positions % B)
+        self.write(window, layer, blocks.to(self.device), offsets.to(self.device), k, v)
+
     def gather(
         self, window: Window, layer: int, block_ids: list[int], start: int, stop: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

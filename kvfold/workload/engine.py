@@ -19,7 +19,8 @@ import numpy as np
 
 from kvfold.checks import check_int
 from kvfold.stats import SequenceStatus
-from kvfold.worker.cache import PagedKVCache, SeqId
+from kvfold.worker.cache import PagedKVCache
+from kvfold.worker.sequence import SeqId
 
 VOCAB = 32_000
 

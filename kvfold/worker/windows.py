@@ -1,0 +1,74 @@
+"""The window arithmetic, written once: which logical blocks a window group holds.
+
+A sequence of L tokens (B tokens a block) spans logical blocks [0, ceil(L/B)).
+Full attention holds all of them; a sliding window W holds the blocks that meet
+token positions [max(0, L-W), L):
+
+    B = 4, W = 8, L = 14     tokens 0 ........................ 13
+    logical blocks            [ 0 ][ 1 ][ 2 ][ 3 ]
+    window [6, 14)                  ^^^^^^^^^^^^^^^  -> first_block 1, held 1, 2, 3
+
+As vLLM's FullAttentionManager / SlidingWindowManager: one small manager per
+window kind, asked by the cache (allocation, release, reuse), the integrity
+check and admission (what a request can ever need).
+"""
+
+from __future__ import annotations
+
+from kvfold.stats import Window
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class FullAttentionManager:
+    """Every block from the first token on."""
+
+    window: Window = None
+
+    def __init__(self, tokens_per_block: int) -> None:
+        self.block_size = tokens_per_block
+
+    def first_token(self, num_tokens: int) -> int:
+        """The first token position attention still reads."""
+        return 0
+
+    def first_block(self, num_tokens: int) -> int:
+        """Logical index of the first block the group still holds."""
+        return self.first_token(num_tokens) // self.block_size
+
+    def num_blocks(self, num_tokens: int) -> int:
+        """Blocks held for a sequence of `num_tokens` tokens."""
+        return ceil_div(num_tokens, self.block_size) - self.first_block(num_tokens)
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """The most blocks the group ever holds at once while a sequence grows from
+        nothing to `num_tokens` tokens (what admission must be able to promise)."""
+        return ceil_div(num_tokens, self.block_size)
+
+
+class SlidingWindowManager(FullAttentionManager):
+    """The blocks that meet the last `window` token positions."""
+
+    def __init__(self, tokens_per_block: int, window: int) -> None:
+        super().__init__(tokens_per_block)
+        self.window = window
+        self.window_tokens = window
+
+    def first_token(self, num_tokens: int) -> int:
+        return max(0, num_tokens - self.window_tokens)
+
+    def max_blocks(self, num_tokens: int) -> int:
+        # a W-token span meets at most ceil(W / B) + 1 blocks (one partial at each end)
+        bound = ceil_div(self.window_tokens, self.block_size) + 1
+        return min(ceil_div(num_tokens, self.block_size), bound)
+
+
+WindowManager = FullAttentionManager  # the interface every window kind implements
+
+
+def window_manager(window: Window, tokens_per_block: int) -> WindowManager:
+    if window is None:
+        return FullAttentionManager(tokens_per_block)
+    return SlidingWindowManager(tokens_per_block, window)
