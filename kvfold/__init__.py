@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "KVCacheConfig": "kvfold.worker.config",
     "PagedKVCache": "kvfold.worker.cache",
-    "HostKVPool": "kvfold.aggregator.host_kv",
+    "HostKVPool": "kvfold.hosttier",
     "fold_node": "kvfold.aggregator.fold",
     "fold_cluster": "kvfold.aggregator.fold",
     "NodeUtilization": "kvfold.view",

@@ -112,31 +112,3 @@ class KVFoldClient:
     def counts(self) -> dict[str, Any]:
         counts: dict[str, Any] = self._call("counts")
         return counts
-
-
-# ---------------------------------------------------------------- asking a named actor itself
-# The node and cluster actors believe a new incarnation only when the named actor confirms
-# it, and mark a silent source dead when Ray says its actor is gone.
-
-
-def incarnation_of(name: str, namespace: str, timeout_s: float) -> int | None:
-    """The named actor's incarnation (its `ping()`), or None if it is gone or silent."""
-    try:
-        handle = ray.get_actor(name, namespace=namespace)
-        answer: Any = ray.get(handle.ping.remote(), timeout=timeout_s)
-    except (ValueError, RayActorError, GetTimeoutError):
-        return None
-    return int(answer)
-
-
-def is_gone(name: str, namespace: str, timeout_s: float) -> bool:
-    """True when Ray says the named actor is dead or unknown; False when it answers or is
-    merely slow or restarting (freshness then decides)."""
-    try:
-        handle = ray.get_actor(name, namespace=namespace)
-        ray.get(handle.ping.remote(), timeout=timeout_s)
-    except (ValueError, RayActorError):
-        return True
-    except GetTimeoutError:
-        return False
-    return False

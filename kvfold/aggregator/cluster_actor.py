@@ -8,19 +8,19 @@ changes (a node going stale) even when no report arrives.
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 import time
 from typing import Any
 
+import psutil
 import ray
 
-from kvfold.aggregator.client import incarnation_of, is_gone
 from kvfold.aggregator.cluster_state import ClusterState
 from kvfold.aggregator.receiver import ACCEPTED
 from kvfold.checks import is_int
 from kvfold.naming import node_actor_name
+from kvfold.ray_actor import BackgroundLoop, Every, gone_among, incarnation_of, silent
 from kvfold.stats import Window
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
@@ -53,14 +53,15 @@ class ClusterAggregator:
         self.cond = threading.Condition()
         self._bytes_version = -1
         self._bytes = b""
-        self._stop = threading.Event()
-        self._last_probe_s = 0.0
+        self._probe = Every(5 * report_interval_s)
         self.admission: dict[str, dict[tuple[str, str], int]] = {}
         self.ray_node_ids = list(ray_node_ids or [])  # where each kvfold node's actor lives
         self.metrics_address: tuple[str, int] | None = None
         if metrics_port is not None:
             self._serve_metrics(metrics_host, metrics_port)
-        threading.Thread(target=self._tick_loop, daemon=True).start()
+        # notices freshness changes (a node going stale) even when no report arrives
+        self.loop = BackgroundLoop("kvfold aggregator ticker", report_interval_s / 2, self._tick)
+        self.loop.start()
 
     # ------------------------------------------------------------ Prometheus
 
@@ -156,8 +157,7 @@ class ClusterAggregator:
 
     def memory_rss_bytes(self) -> int:
         """Resident memory of this process (for soak tests and operators)."""
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(psutil.Process().memory_info().rss)
 
     def counts(self) -> dict[str, Any]:
         with self.cond:
@@ -168,30 +168,23 @@ class ClusterAggregator:
                 "version": self.state.version,
             }
 
-    def _probe_silent_nodes(self, view: ClusterView) -> None:
-        now = time.monotonic()
-        if now - self._last_probe_s < self.report_interval_s * 5:
-            return
-        self._last_probe_s = now
-        silent = [
-            n
-            for n, s in enumerate(view.node_states)
-            if s in (SourceState.STALE, SourceState.MISSING)
-        ]
-        if not silent:
+    def _tick(self) -> None:
+        with self.cond:
+            view = self._refresh()
+        if self._probe.due(time.monotonic()):
+            self._mark_gone_nodes(view)
+
+    def _mark_gone_nodes(self, view: ClusterView) -> None:
+        """Silent nodes whose machine Ray reports gone, or whose actor is gone, are dead."""
+        quiet = silent(enumerate(view.node_states), (SourceState.STALE, SourceState.MISSING))
+        if not quiet:
             return
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if self.ray_node_ids else set()
-        for node in silent:
-            if node < len(self.ray_node_ids) and self.ray_node_ids[node] not in alive:
-                with self.cond:  # its machine is gone: so are its actor and its ranks
-                    self.state.mark_dead(node)
-                continue
-            if is_gone(node_actor_name(node), self.namespace, self.report_interval_s):
-                with self.cond:
-                    self.state.mark_dead(node)
-
-    def _tick_loop(self) -> None:
-        while not self._stop.wait(self.report_interval_s / 2):
-            with self.cond:
-                view = self._refresh()
-            self._probe_silent_nodes(view)
+        machine_gone = [
+            n for n in quiet if n < len(self.ray_node_ids) and self.ray_node_ids[n] not in alive
+        ]
+        names = {n: node_actor_name(n) for n in quiet if n not in machine_gone}
+        gone = gone_among(names, self.namespace, self.report_interval_s)
+        with self.cond:
+            for node in machine_gone + gone:
+                self.state.mark_dead(node)

@@ -21,7 +21,7 @@ from kvfold.errors import KVFoldError, RankUnavailable
 from kvfold.stats import IterationStats, KVStats, SequenceStatus, Window
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
-from kvfold.workload.engine import StepResult
+from kvfold.worker.engine import StepResult
 
 if TYPE_CHECKING:
     from kvfold.cluster.launcher import LaunchSettings

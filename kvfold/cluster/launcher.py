@@ -33,12 +33,16 @@ from kvfold.naming import (
     AGGREGATOR_NAME,
     DEFAULT_NAMESPACE,
     PLACEMENT_GROUP_NAME,
+    PREFIX,
     node_actor_name,
     rank_actor_name,
 )
+from kvfold.ray_actor import named_actor
 from kvfold.topology import Topology
 from kvfold.worker.config import KVCacheConfig
+from kvfold.worker.engine import EngineFactory
 from kvfold.worker.rank_actor import RankWorker
+from kvfold.workload.engine import SimEngine
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,7 @@ def launch(
     wait_fresh: bool = True,
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
+    engine_factory: EngineFactory | None = SimEngine,
 ) -> KVFold:
     """Start kvfold on the Ray cluster at `address` (or the one this process is connected to).
 
@@ -144,9 +149,10 @@ def launch(
     stale_after_s / dead_after_s default to 3 and 30 report intervals.
     metrics_port: serve Prometheus metrics from the aggregator (0: any free port;
     None: off), bound to `metrics_host` (127.0.0.1 unless told otherwise).
+    engine_factory: the engine each rank runs over its cache (kvfold.worker.engine);
+    kvfold's simulated engine by default, None for ranks driven only by their API.
     """
-    if cache is None:
-        cache = KVCacheConfig()
+    cache = KVCacheConfig() if cache is None else cache
     if namespace is None:
         namespace = ray.get_runtime_context().namespace if ray.is_initialized() else None
     settings = LaunchSettings(
@@ -165,119 +171,28 @@ def launch(
     )
     if not ray.is_initialized():
         ray.init(address=address, namespace=settings.namespace, log_to_driver=False)
-    ns = settings.namespace
-    try:
-        ray.get_actor(AGGREGATOR_NAME, namespace=ns)
-        raise KVFoldError(f"kvfold is already running in namespace {ns!r}; run `kvfold down` first")
-    except ValueError:
-        pass
-
-    lifetime = "detached" if detached else None
-    pg = placement_group(
-        [{"GPU": gpus_per_rank}] * world_size,
-        strategy="PACK",
-        name=PLACEMENT_GROUP_NAME if detached else "",
-        lifetime=lifetime,
-    )
-    if not pg.wait(timeout_seconds=placement_timeout_s):
-        message = _missing_resources(world_size, gpus_per_rank)
-        remove_placement_group(pg)
-        raise PlacementError(f"could not place kvfold within {placement_timeout_s:g} s: {message}")
-    table = ray.util.placement_group_table(pg)
-    bundle_nodes = [table["bundles_to_node_id"][b] for b in range(world_size)]
-    ray_order = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-    rank_bundle, node_ids, rank_to_node = _assign_ranks(bundle_nodes, ray_order)
-    topology = Topology.from_mapping(rank_to_node)
-
-    windows = list(cache.windows)
-    common = {
-        "namespace": ns,
-        "report_interval_s": settings.report_interval_s,
-    }
-    fresh = {"stale_after_s": settings.stale_after_s, "dead_after_s": settings.dead_after_s}
+    if named_actor(AGGREGATOR_NAME, settings.namespace) is not None:
+        raise KVFoldError(
+            f"kvfold is already running in namespace {settings.namespace!r}; "
+            "run `kvfold down` first"
+        )
+    placement = _place(settings)
     actors: list[Any] = []
     try:
-        aggregator = (
-            ray.remote(concurrency_groups={"reports": 1})(ClusterAggregator)  # type: ignore[call-overload]
-            .options(
-                name=AGGREGATOR_NAME,
-                namespace=ns,
-                lifetime=lifetime,
-                num_cpus=0,
-                resources=_on_head_node(),
-                max_restarts=-1,
-                max_task_retries=0,
-                max_concurrency=32,
-            )
-            .remote(
-                rank_to_node,
-                windows,
-                **common,
-                **fresh,
-                metrics_host=metrics_host,
-                metrics_port=metrics_port,
-                ray_node_ids=node_ids,
-            )
-        )
+        aggregator = _start_aggregator(settings, placement, (metrics_host, metrics_port))
         actors.append(aggregator)
-        slot = max(cache.bytes_per_block(w) for w in cache.windows)
-        geometry = cache.block_geometry()
-        nodes = []
-        for node, nid in enumerate(node_ids):
-            # reports: one thread, in order; offload/onboard: their own threads, never in the way
-            h = (
-                ray.remote(concurrency_groups={"reports": 1, "data": 4})(HostKVActor)  # type: ignore[call-overload]
-                .options(
-                    name=node_actor_name(node),
-                    namespace=ns,
-                    lifetime=lifetime,
-                    num_cpus=0,
-                    max_restarts=-1,
-                    max_task_retries=0,
-                    max_concurrency=16,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nid, soft=False),
-                )
-                .remote(
-                    node,
-                    rank_to_node,
-                    windows,
-                    **common,
-                    **fresh,
-                    host_num_blocks=host_num_blocks,
-                    host_slot_nbytes=slot,
-                    geometry=geometry,
-                )
-            )
-            nodes.append(h)
-            actors.append(h)
-        ranks = []
-        for rank, bundle in enumerate(rank_bundle):
-            rh = (
-                ray.remote(RankWorker)
-                .options(
-                    name=rank_actor_name(rank),
-                    namespace=ns,
-                    lifetime=lifetime,
-                    num_cpus=0,
-                    num_gpus=gpus_per_rank,
-                    max_restarts=rank_max_restarts,
-                    max_task_retries=0,
-                    max_concurrency=4,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=bundle
-                    ),
-                )
-                .remote(rank, rank_to_node, cache, **common, host_tier=host_num_blocks > 0)
-            )
-            ranks.append(rh)
-            actors.append(rh)
+        nodes = _start_nodes(settings, placement)
+        actors += nodes
+        ranks = _start_ranks(settings, placement, engine_factory)
+        actors += ranks
         ray.get([a.ping.remote() for a in actors], timeout=placement_timeout_s + 60.0)
     except (RayActorError, GetTimeoutError) as e:
         for a in actors:
             ray.kill(a, no_restart=True)
-        remove_placement_group(pg)
+        remove_placement_group(placement.group)
         raise PlacementError(f"kvfold actors failed to start: {e}") from e
-    kv = KVFold(settings, topology, aggregator, nodes, ranks, pg, node_ids)
+    topology = Topology.from_mapping(placement.rank_to_node)
+    kv = KVFold(settings, topology, aggregator, nodes, ranks, placement.group, placement.node_ids)
     if wait_fresh:
         try:
             kv.wait_until_fresh(timeout_s=placement_timeout_s)
@@ -285,6 +200,137 @@ def launch(
             kv.shutdown()
             raise
     return kv
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where Ray put kvfold: the placement group, each rank's bundle, each node's Ray id."""
+
+    group: Any
+    rank_bundle: list[int]
+    node_ids: list[str]
+    rank_to_node: list[int]
+
+
+def _place(settings: LaunchSettings) -> Placement:
+    """Reserve one GPU bundle per rank (PACK) and number the ranks node by node; fail in
+    time, naming what is missing, and leave nothing behind."""
+    world, gpus = settings.world_size, settings.gpus_per_rank
+    pg = placement_group(
+        [{"GPU": gpus}] * world,
+        strategy="PACK",
+        name=PLACEMENT_GROUP_NAME if settings.detached else "",
+        lifetime="detached" if settings.detached else None,
+    )
+    timeout = settings.placement_timeout_s
+    if not pg.wait(timeout_seconds=timeout):
+        message = _missing_resources(world, gpus)
+        remove_placement_group(pg)
+        raise PlacementError(f"could not place kvfold within {timeout:g} s: {message}")
+    table = ray.util.placement_group_table(pg)
+    bundle_nodes = [table["bundles_to_node_id"][b] for b in range(world)]
+    ray_order = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    rank_bundle, node_ids, rank_to_node = _assign_ranks(bundle_nodes, ray_order)
+    return Placement(pg, rank_bundle, node_ids, rank_to_node)
+
+
+def _common(settings: LaunchSettings) -> dict[str, Any]:
+    return {"namespace": settings.namespace, "report_interval_s": settings.report_interval_s}
+
+
+def _freshness(settings: LaunchSettings) -> dict[str, Any]:
+    return {"stale_after_s": settings.stale_after_s, "dead_after_s": settings.dead_after_s}
+
+
+def _actor_options(settings: LaunchSettings, name: str, **extra: Any) -> dict[str, Any]:
+    lifetime = "detached" if settings.detached else None
+    return {
+        "name": name,
+        "namespace": settings.namespace,
+        "lifetime": lifetime,
+        "num_cpus": 0,
+        "max_task_retries": 0,
+        **extra,
+    }
+
+
+def _start_aggregator(
+    settings: LaunchSettings, placement: Placement, metrics: tuple[str, int | None]
+) -> Any:
+    assert settings.cache is not None
+    options = _actor_options(
+        settings, AGGREGATOR_NAME, resources=_on_head_node(), max_restarts=-1, max_concurrency=32
+    )
+    actor = ray.remote(concurrency_groups={"reports": 1})(ClusterAggregator)  # type: ignore[call-overload]
+    return actor.options(**options).remote(
+        placement.rank_to_node,
+        list(settings.cache.windows),
+        **_common(settings),
+        **_freshness(settings),
+        metrics_host=metrics[0],
+        metrics_port=metrics[1],
+        ray_node_ids=placement.node_ids,
+    )
+
+
+def _start_nodes(settings: LaunchSettings, placement: Placement) -> list[Any]:
+    """One HostKVActor per node, pinned to it. Reports: one thread, in order;
+    offload/onboard: their own threads, never in the way."""
+    assert settings.cache is not None
+    actor = ray.remote(concurrency_groups={"reports": 1, "data": 4})(HostKVActor)  # type: ignore[call-overload]
+    nodes = []
+    for node, nid in enumerate(placement.node_ids):
+        strategy = NodeAffinitySchedulingStrategy(node_id=nid, soft=False)
+        options = _actor_options(
+            settings,
+            node_actor_name(node),
+            max_restarts=-1,
+            max_concurrency=16,
+            scheduling_strategy=strategy,
+        )
+        nodes.append(
+            actor.options(**options).remote(
+                node,
+                placement.rank_to_node,
+                list(settings.cache.windows),
+                **_common(settings),
+                **_freshness(settings),
+                host_num_blocks=settings.host_num_blocks,
+                layout=settings.cache.block_layout(),
+            )
+        )
+    return nodes
+
+
+def _start_ranks(
+    settings: LaunchSettings, placement: Placement, engine_factory: EngineFactory | None
+) -> list[Any]:
+    ranks = []
+    for rank, bundle in enumerate(placement.rank_bundle):
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=placement.group, placement_group_bundle_index=bundle
+        )
+        options = _actor_options(
+            settings,
+            rank_actor_name(rank),
+            num_gpus=settings.gpus_per_rank,
+            max_restarts=settings.rank_max_restarts,
+            max_concurrency=4,
+            scheduling_strategy=strategy,
+        )
+        ranks.append(
+            ray.remote(RankWorker)
+            .options(**options)
+            .remote(
+                rank,
+                placement.rank_to_node,
+                settings.cache,
+                **_common(settings),
+                host_tier=settings.host_num_blocks > 0,
+                engine_factory=engine_factory,
+            )
+        )
+    return ranks
 
 
 HEAD_RESOURCE = "node:__internal_head__"
@@ -306,7 +352,7 @@ def teardown(namespace: str = DEFAULT_NAMESPACE) -> list[str]:
     stopped = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name, ns = entry["name"], entry["namespace"]
-        if ns != namespace or not name.startswith("kvfold:"):
+        if ns != namespace or not name.startswith(PREFIX):
             continue
         try:
             ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)

@@ -32,8 +32,8 @@ from kvfold.admission import (
 from kvfold.checks import check_positive
 from kvfold.cluster.handle import KVFold
 from kvfold.view import ClusterView
+from kvfold.worker.engine import StepResult
 from kvfold.worker.hashing import block_keys
-from kvfold.workload.engine import StepResult
 from kvfold.workload.recorder import ReplayRecorder, sample_view
 from kvfold.workload.requests import TraceRequest
 

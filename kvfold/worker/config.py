@@ -13,6 +13,21 @@ DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 DEVICES = ("auto", "cpu", "cuda")
 
 
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """The shape of a block's bytes: what the host tier checks before storing or serving."""
+
+    tokens_per_block: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    bytes_per_block: tuple[tuple[Window, int], ...]  # per window group, in window order
+
+    @property
+    def max_block_nbytes(self) -> int:
+        return max(n for _, n in self.bytes_per_block)
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """One rank's KV cache.
@@ -113,9 +128,9 @@ class KVCacheConfig:
             * DTYPE_BYTES[self.dtype]
         )
 
-    def block_geometry(self) -> tuple[Any, ...]:
+    def block_layout(self) -> BlockLayout:
         """What must match between a rank's blocks and its node's host tier."""
-        return (
+        return BlockLayout(
             self.tokens_per_block,
             self.num_kv_heads,
             self.head_dim,

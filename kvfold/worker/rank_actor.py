@@ -1,29 +1,30 @@
 """RankWorker: the Ray shell over one GPU rank's PagedKVCache.
 
-Holds the cache, forwards engine calls to it, and pushes a msgpack report to
-its node's host-KV actor every `report_interval_s` and, when asked, right after
-a change. Reports go out from one reporter thread, so the engine's calls never
-wait on the node's answer. The rank is also the node host tier's client:
-evicted blocks are offloaded to it and prompt misses are onboarded from it.
+Holds the cache (and, through the `EngineFactory` seam, the engine that drives it),
+forwards engine calls to it, and pushes a msgpack report to its node's host-KV actor
+every `report_interval_s` and, when asked, right after a change. Reports go out from
+one background loop, so the engine's calls never wait on the node's answer. The rank
+is also the node host tier's client: evicted blocks are offloaded to it and prompt
+misses are onboarded from it.
 """
 
 from __future__ import annotations
 
 import secrets
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import ray
 import torch
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayError
 
-from kvfold.aggregator.host_kv import unpack_blocks
 from kvfold.codec import encode_rank_report
 from kvfold.errors import NodeUnavailable
+from kvfold.hosttier.packing import unpack_blocks
 from kvfold.naming import node_actor_name
+from kvfold.ray_actor import BackgroundLoop, InFlight, named_actor
 from kvfold.stats import (
     BlockDeltas,
     IterationStats,
@@ -35,9 +36,9 @@ from kvfold.stats import (
 )
 from kvfold.topology import Topology
 from kvfold.worker.cache import PagedKVCache
-from kvfold.worker.config import KVCacheConfig
+from kvfold.worker.config import BlockLayout, KVCacheConfig
+from kvfold.worker.engine import Engine, EngineFactory, EngineRequest, StepResult
 from kvfold.worker.sequence import SeqId
-from kvfold.workload.engine import EngineRequest, SimEngine, StepResult
 
 ACK_TIMEOUT_S = 2.0
 MAX_INFLIGHT_REPORTS = 64
@@ -55,7 +56,7 @@ class NodeHostTier:
         self.worker = worker
         self.offload_failures = 0  # answered with an error after the engine moved on
         self.offload_refused = 0  # the host did not store it (held already, tier off, too big)
-        self._pending: list[tuple[Any, list[tuple[Window, int]]]] = []  # (ref, [(window, nbytes)])
+        self.pending: InFlight[list[tuple[Window, int]]] = InFlight()  # [(window, nbytes)]
 
     def _node(self) -> Any:
         node = self.worker.node_handle()
@@ -64,39 +65,32 @@ class NodeHostTier:
         return node
 
     def fetch(self, window: Window, keys: Sequence[bytes]) -> list[np.ndarray]:
-        ref = self._node().host_get.remote(self.worker.geometry, window, list(keys))
+        ref = self._node().host_get.remote(self.worker.layout, window, list(keys))
         packed, lengths = ray.get(ref, timeout=HOST_TIMEOUT_S)
         return unpack_blocks(packed, lengths)
 
     def offload_many(self, items: list[tuple[Window, bytes, np.ndarray]]) -> list[bool] | None:
         # the engine's step never waits on the host's answer: settle() counts it later
-        ref = self._node().host_put_many.remote(self.worker.geometry, items)
-        self._pending.append((ref, [(w, int(p.nbytes)) for w, _, p in items]))
+        ref = self._node().host_put_many.remote(self.worker.layout, items)
+        self.pending.add(ref, [(w, int(p.nbytes)) for w, _, p in items])
         return None
 
     def settle(self, cache: PagedKVCache, timeout_s: float = 0.0) -> None:
         """Count the offloads the host has answered (waiting up to `timeout_s` for all)."""
-        if not self._pending:
-            return
-        refs = [p[0] for p in self._pending]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        done = set(ready)
-        keep = []
-        for ref, blocks in self._pending:
-            if ref not in done:
-                keep.append((ref, blocks))
-                continue
-            try:
-                stored: list[bool] = ray.get(ref)
-            except RayError:  # the node died, or refused the batch (layout): not stored
-                self.offload_failures += len(blocks)
-                continue
-            for (window, nbytes), ok in zip(blocks, stored, strict=True):
+        if timeout_s:
+            self.pending.wait(timeout_s)
+
+        def stored(answer: list[bool], blocks: list[tuple[Window, int]]) -> None:
+            for (window, nbytes), ok in zip(blocks, answer, strict=True):
                 if ok:
                     cache.record_offload(window, nbytes)
                 else:
                     self.offload_refused += 1
-        self._pending = keep
+
+        def failed(_error: RayError, blocks: list[tuple[Window, int]]) -> None:
+            self.offload_failures += len(blocks)  # the node died, or refused the layout
+
+        self.pending.settle(stored, failed)
 
 
 class RankWorker:
@@ -111,6 +105,7 @@ class RankWorker:
         namespace: str,
         report_interval_s: float = 0.1,
         host_tier: bool = False,
+        engine_factory: EngineFactory | None = None,
     ) -> None:
         self.topology = Topology.from_mapping(rank_to_node)
         self.topology.check_rank(rank)
@@ -122,8 +117,9 @@ class RankWorker:
         self.seq = 0
         self.lock = threading.RLock()
         self.cache: PagedKVCache | None = None
-        self.engine: SimEngine | None = None
-        self.geometry: tuple[Any, ...] = ()
+        self.engine_factory = engine_factory
+        self.engine: Engine | None = None
+        self.layout: BlockLayout | None = None
         self.host = NodeHostTier(self) if host_tier else None
         self._node: Any = None
         self._unreported: dict[Window, BlockDeltas] = {}
@@ -131,23 +127,21 @@ class RankWorker:
         self.reports_sent = 0  # answered by the node (accepted or refused)
         self.reports_failed = 0  # not answered: node down or timed out
         self.report_verdicts: dict[str, int] = {}
-        self._inflight: list[tuple[Any, RankReport]] = []
+        self._inflight: InFlight[RankReport] = InFlight(MAX_INFLIGHT_REPORTS)
         self._report_lock = threading.Lock()  # one report path at a time
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self.loop = BackgroundLoop(f"kvfold rank {rank} reporter", report_interval_s, self._tick)
         if config is not None:
             self.bind(config)
-        self._reporter = threading.Thread(target=self._report_loop, daemon=True)
-        self._reporter.start()
+        self.loop.start()
 
     # ------------------------------------------------------------ lifecycle
 
     def bind(self, config: KVCacheConfig) -> dict[str, Any]:
-        """Bind (or rebind, empty) the rank's KV cache."""
+        """Bind (or rebind, empty) the rank's KV cache, and its engine over it."""
         with self.lock:
             self.cache = PagedKVCache(config, host_tier=self.host)
-            self.engine = SimEngine(self.cache)
-            self.geometry = config.block_geometry()
+            self.engine = None if self.engine_factory is None else self.engine_factory(self.cache)
+            self.layout = config.block_layout()
         return self.info()
 
     def info(self) -> dict[str, Any]:
@@ -162,7 +156,7 @@ class RankWorker:
             "bound": self.cache is not None,
             "reports_sent": self.reports_sent,
             "report_verdicts": dict(self.report_verdicts),
-            "reports_failed": self.reports_failed,
+            "reports_failed": self.reports_failed + self.loop.failures,
             **self._host_failures(),
         }
 
@@ -185,27 +179,18 @@ class RankWorker:
             return 0
         with self.lock:
             self.host.settle(self.cache, timeout_s)
-            return len(self.host._pending)
+            return len(self.host.pending)
 
     def stop(self) -> None:
         """Stop reporting (after settling the reports still in flight)."""
-        self._stop.set()
-        self._wake.set()
+        self.loop.stop()
         with self._report_lock:
-            if self._inflight:
-                ray.wait(
-                    [r for r, _ in self._inflight],
-                    num_returns=len(self._inflight),
-                    timeout=ACK_TIMEOUT_S,
-                )
+            self._inflight.wait(ACK_TIMEOUT_S)
             self._settle_reports()
 
     def node_handle(self) -> Any:
         if self._node is None:
-            try:
-                self._node = ray.get_actor(node_actor_name(self.node), namespace=self.namespace)
-            except ValueError:
-                return None
+            self._node = named_actor(node_actor_name(self.node), self.namespace)
         return self._node
 
     # ------------------------------------------------------------ engine calls
@@ -217,7 +202,7 @@ class RankWorker:
 
     def _changed(self, report: bool) -> None:
         if report:
-            self._wake.set()
+            self.loop.wake()
 
     def add_sequence(
         self, seq_id: SeqId, token_ids: Sequence[int], salt: str | None = None, report: bool = False
@@ -286,11 +271,12 @@ class RankWorker:
         decode_tokens: int = 1,
         report: bool = True,
     ) -> StepResult:
-        """One step of the simple engine model (see kvfold.workload.engine)."""
+        """One step of this rank's engine (kvfold.worker.engine; the simulated one by default)."""
         requests = [EngineRequest(s, p, n, salt) for s, p, n, salt in admits]
         with self.lock:
             self._cache()
-            assert self.engine is not None
+            if self.engine is None:
+                raise ValueError(f"rank {self.rank} has no engine (launch with an engine_factory)")
             result = self.engine.step(requests, decode_tokens)
             self._added.extend(result.admitted)
         self._changed(report and bool(result.admitted or result.finished))
@@ -300,49 +286,7 @@ class RankWorker:
         with self.lock:
             if self.engine is not None:
                 self.engine.drain()
-        self._wake.set()
-
-    def measure_host_transfer(
-        self, num_blocks: int = 64, repeats: int = 5
-    ) -> dict[str, list[float]]:
-        """Time offload and onboard of `num_blocks` blocks of this rank's size to its node's
-        host tier, and the same bytes as one plain numpy array through Ray's object store
-        between the same two actors. Seconds per transfer, one entry per repeat."""
-        node = self.node_handle()
-        if node is None or self.cache is None:
-            raise ValueError(f"rank {self.rank}: needs a bound cache and a reachable node actor")
-        window = self.cache.windows[0]
-        nbytes = self.cache.storage.block_nbytes(window)
-        payload = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-        out: dict[str, list[float]] = {
-            "offload": [],
-            "onboard": [],
-            "plain_put": [],
-            "plain_get": [],
-        }
-        for rep in range(repeats):
-            keys = [secrets.token_bytes(32) for _ in range(num_blocks)]
-            items = [(window, k, payload) for k in keys]
-            t0 = time.perf_counter()
-            stored = ray.get(node.host_put_many.remote(self.geometry, items))
-            out["offload"].append(time.perf_counter() - t0)
-            if not all(stored):
-                raise ValueError(f"host tier stored {sum(stored)} of {num_blocks} blocks")
-            t0 = time.perf_counter()
-            packed, lengths = ray.get(node.host_get.remote(self.geometry, window, keys))
-            got = unpack_blocks(packed, lengths)
-            out["onboard"].append(time.perf_counter() - t0)
-            if len(got) != num_blocks or got[0].tobytes() != payload.tobytes():
-                raise ValueError("onboarded bytes differ from offloaded bytes")
-            arr = np.tile(payload, num_blocks)
-            t0 = time.perf_counter()
-            ray.get(node.sink.remote(ray.put(arr)))
-            out["plain_put"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            back = ray.get(node.source.remote(arr.nbytes))
-            out["plain_get"].append(time.perf_counter() - t0)
-            del back, rep
-        return out
+        self.loop.wake()
 
     # ------------------------------------------------------------ reports
 
@@ -387,32 +331,19 @@ class RankWorker:
         """Account for reports whose answer has come since the last call (no waiting).
 
         A report the node never took (its actor died first) gives its deltas back to
-        the next report; one it answered is counted by verdict. Ray delivers one
-        caller's calls to an actor in order, so reports are never folded out of order.
+        the next report; one it answered is counted by verdict.
         """
-        answers: dict[Any, str] = {}
-        if not self._inflight:
-            return answers
-        refs = [r for r, _ in self._inflight]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        done = set(ready)
-        keep = []
-        for ref, report in self._inflight:
-            if ref not in done:
-                keep.append((ref, report))
-                continue
-            try:
-                verdict: str = ray.get(ref)
-            except RayActorError:
-                self._restore(report)
-                self.reports_failed += 1
-                answers[ref] = "node_unavailable"
-                continue
+
+        def answered(verdict: str, _report: RankReport) -> None:
             self.reports_sent += 1
             self.report_verdicts[verdict] = self.report_verdicts.get(verdict, 0) + 1
-            answers[ref] = verdict
-        self._inflight = keep
-        return answers
+
+        def lost(_error: RayError, report: RankReport) -> None:
+            self._restore(report)
+            self.reports_failed += 1
+
+        answers = self._inflight.settle(answered, lost)
+        return {r: a if isinstance(a, str) else "node_unavailable" for r, a in answers.items()}
 
     def _push(self, wait_s: float) -> str:
         """Send one report; wait up to `wait_s` for its answer, else leave it in flight."""
@@ -426,19 +357,10 @@ class RankWorker:
             self.reports_failed += 1
             return "node_unavailable"
         ref = node.report.remote(encode_rank_report(report))
-        self._inflight.append((ref, report))
-        ray.wait([ref], timeout=wait_s)
+        self._inflight.add(ref, report)
+        self._inflight.wait(wait_s, last_only=True)
         return self._settle_reports().get(ref, "in_flight")
 
-    def _report_loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.report_interval_s)
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            try:
-                with self._report_lock:
-                    self._push(wait_s=3 * self.report_interval_s)
-            except (RayError, ValueError, RuntimeError, OSError) as e:
-                self.reports_failed += 1
-                print(f"kvfold rank {self.rank}: report failed: {type(e).__name__}: {e}")
+    def _tick(self) -> None:
+        with self._report_lock:
+            self._push(wait_s=3 * self.report_interval_s)

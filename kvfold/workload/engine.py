@@ -13,34 +13,16 @@ policy: which request goes to which rank is the scheduler's decision.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvfold.checks import check_int
 from kvfold.stats import SequenceStatus
 from kvfold.worker.cache import PagedKVCache
+from kvfold.worker.engine import EngineRequest, StepResult
 from kvfold.worker.sequence import SeqId
 
 VOCAB = 32_000
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
-    seq_id: SeqId
-    prompt: Sequence[int] | np.ndarray
-    max_new_tokens: int
-    salt: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    admitted: tuple[SeqId, ...]
-    refused: tuple[SeqId, ...]  # did not fit: nothing changed for them
-    finished: tuple[SeqId, ...]
-    on_hold: tuple[SeqId, ...]  # could not grow this step
-    num_running: int
-    decoded_tokens: int
 
 
 class SimEngine:
@@ -52,19 +34,32 @@ class SimEngine:
         """One engine step; each running sequence decodes up to `decode_tokens` tokens
         (a coarse step stands for several engine iterations when time is compressed)."""
         check_int("decode_tokens", decode_tokens, 1)
+        finished, on_hold, decoded = self._decode(decode_tokens)
+        admitted, refused = self._admit(admits)
+        return StepResult(
+            admitted=tuple(admitted),
+            refused=tuple(refused),
+            finished=tuple(finished),
+            on_hold=tuple(on_hold),
+            num_running=len(self.remaining),
+            decoded_tokens=decoded,
+        )
+
+    def _decode(self, decode_tokens: int) -> tuple[list[SeqId], list[SeqId], int]:
+        """Every running sequence takes its step; returns (finished, on hold, tokens)."""
         cache = self.cache
         finished: list[SeqId] = []
         on_hold: list[SeqId] = []
         decoded = 0
         for sid, left in list(self.remaining.items()):
             status = cache.status_of(sid)
+            n = min(decode_tokens, left)
             if status is SequenceStatus.IN_PREFILL:
                 cache.set_status(sid, SequenceStatus.PREFILLED)
                 left -= 1  # prefill produces the first token
-            elif cache.append_tokens(sid, self._next_tokens(sid, min(decode_tokens, left))):
+            elif cache.append_tokens(sid, self._next_tokens(sid, n)):
                 if status is not SequenceStatus.IN_DECODE:
                     cache.set_status(sid, SequenceStatus.IN_DECODE)
-                n = min(decode_tokens, left)
                 decoded += n
                 left -= n
             else:
@@ -76,24 +71,20 @@ class SimEngine:
                 finished.append(sid)
             else:
                 self.remaining[sid] = left
+        return finished, on_hold, decoded
+
+    def _admit(self, admits: Sequence[EngineRequest]) -> tuple[list[SeqId], list[SeqId]]:
         admitted: list[SeqId] = []
         refused: list[SeqId] = []
         for req in admits:
             if req.max_new_tokens < 1:
                 raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-            if cache.add_sequence(req.seq_id, req.prompt, salt=req.salt):
+            if self.cache.add_sequence(req.seq_id, req.prompt, salt=req.salt):
                 self.remaining[req.seq_id] = req.max_new_tokens
                 admitted.append(req.seq_id)
             else:
                 refused.append(req.seq_id)
-        return StepResult(
-            admitted=tuple(admitted),
-            refused=tuple(refused),
-            finished=tuple(finished),
-            on_hold=tuple(on_hold),
-            num_running=len(self.remaining),
-            decoded_tokens=decoded,
-        )
+        return admitted, refused
 
     def _next_tokens(self, sid: SeqId, n: int) -> np.ndarray:
         start = self.cache.num_tokens(sid)

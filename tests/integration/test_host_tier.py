@@ -108,7 +108,9 @@ def test_host_lru_and_dropped_counts(kv) -> None:  # type: ignore[no-untyped-def
 def test_a_rank_with_another_layout_is_refused(kv) -> None:  # type: ignore[no-untyped-def]
     import ray
 
-    bad = (8, 2, 8, "float32", ((None, 1),))
+    from dataclasses import replace
+
+    bad = replace(CACHE, tokens_per_block=8).block_layout()
     assert ray.get(kv.node(0).host_put_many.remote(bad, [(None, b"k", np.zeros(1, np.uint8))])) == [
         False
     ]
@@ -117,7 +119,7 @@ def test_a_rank_with_another_layout_is_refused(kv) -> None:  # type: ignore[no-u
             ray.get(kv.node(0).host_get.remote(bad, None, [b"k"]))
         except ray.exceptions.RayTaskError as e:
             raise e.cause from None
-    assert ray.get(kv.node(0).counts.remote())["host_refused_geometry"] == 2
+    assert ray.get(kv.node(0).counts.remote())["host_refused_layout"] == 2
 
 
 def test_a_failing_host_tier_is_a_miss_and_the_add_completes(kv) -> None:  # type: ignore[no-untyped-def]

@@ -69,7 +69,7 @@ class PoolHostTier:
     Ray actor)."""
 
     def __init__(self, num_blocks: int, slot_nbytes: int) -> None:
-        from kvfold.aggregator.host_kv import HostKVPool
+        from kvfold.hosttier import HostKVPool
 
         self.pool = HostKVPool(num_blocks, slot_nbytes, pin_memory=False)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfold.aggregator.host_kv import HostKVPool
+from kvfold.hosttier import HostKVPool
 
 
 def payload(i: int, n: int = 32) -> np.ndarray:

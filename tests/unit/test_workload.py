@@ -10,8 +10,9 @@ import pytest
 from kvfold.aggregator.fold import fold_cluster, fold_node
 from kvfold.stats import SequenceStatus
 from kvfold.topology import Topology
+from kvfold.worker.engine import EngineRequest
 from kvfold.worker.hashing import block_keys
-from kvfold.workload.engine import EngineRequest, SimEngine
+from kvfold.workload.engine import SimEngine
 from kvfold.workload.recorder import ReplayRecorder, sample_view
 from kvfold.workload.requests import shared_prefix_workload
 from kvfold.workload.traces import hash_id_tokens, load_azure, load_mooncake, load_trace

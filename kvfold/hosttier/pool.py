@@ -24,6 +24,7 @@ import numpy as np
 
 from kvfold.checks import check_int
 from kvfold.errors import IntegrityError
+from kvfold.hosttier.packing import unpack_blocks
 from kvfold.stats import HostStats, Window
 
 HostKey = tuple[Window, bytes]
@@ -49,15 +50,6 @@ def _cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-def unpack_blocks(packed: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
-    """Split a packed buffer back into per-block views (no copy)."""
-    out, start = [], 0
-    for n in lengths:
-        out.append(packed[start : start + n])
-        start += n
-    return out
 
 
 class HostKVPool:

@@ -1,0 +1,180 @@
+"""What every kvfold actor shares, on the Ray side: one background loop, calls in flight,
+and asking a named actor itself whether it lives.
+
+    BackgroundLoop(name, interval_s, step)   runs step() every interval_s or when woken,
+                                             on one daemon thread; failures are logged
+    InFlight                                 calls sent and not waited on: answers are
+                                             counted as they come, never waited on long
+    incarnation_of / is_gone / gone_among    a named actor's own word
+
+Library code logs to the `kvfold` logger; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Generic, TypeVar
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+log = logging.getLogger("kvfold")
+
+T = TypeVar("T")
+K = TypeVar("K")
+
+LOOP_ERRORS = (RayError, ValueError, RuntimeError, OSError)
+"""What a background step may raise and the loop survives (logged, counted)."""
+
+
+class BackgroundLoop:
+    """One daemon thread running `step()` every `interval_s`, or sooner when woken."""
+
+    def __init__(
+        self, name: str, interval_s: float, step: Callable[[], None], min_gap_s: float = 0.0
+    ) -> None:
+        self.name = name
+        self.interval_s = interval_s
+        self.step = step
+        self.min_gap_s = min_gap_s  # coalesce bursts of wake-ups into one step
+        self.failures = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> BackgroundLoop:
+        self._thread.start()
+        return self
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.step()
+            except LOOP_ERRORS as e:
+                self.failures += 1
+                log.warning("%s: step failed: %s: %s", self.name, type(e).__name__, e)
+            if self.min_gap_s:
+                self._stop.wait(self.min_gap_s)
+
+
+class InFlight(Generic[T]):
+    """Calls sent and not yet answered, each with what the caller needs to account for it."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit  # None: never give up on a call
+        self.items: list[tuple[Any, T]] = []
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def add(self, ref: Any, tag: T) -> None:
+        self.items.append((ref, tag))
+
+    def wait(self, timeout_s: float, last_only: bool = False) -> None:
+        """Wait up to `timeout_s` for every call (or only the newest) to be answered."""
+        refs = [r for r, _ in self.items[-1:]] if last_only else [r for r, _ in self.items]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+    def settle(
+        self, on_answer: Callable[[Any, T], None], on_failure: Callable[[RayError, T], None]
+    ) -> dict[Any, Any]:
+        """Account for every call answered by now (no waiting); return {ref: answer}.
+        Past `limit` calls still unanswered, the oldest are given up on (a failure)."""
+        answers: dict[Any, Any] = {}
+        if not self.items:
+            return answers
+        refs = [r for r, _ in self.items]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = set(ready)
+        keep = []
+        for ref, tag in self.items:
+            if ref not in done:
+                keep.append((ref, tag))
+                continue
+            try:
+                answers[ref] = ray.get(ref)
+            except RayError as e:
+                answers[ref] = e
+                on_failure(e, tag)
+                continue
+            on_answer(answers[ref], tag)
+        if self.limit is not None and len(keep) > self.limit:
+            for _, tag in keep[: len(keep) - self.limit]:
+                on_failure(RayError("no answer: given up"), tag)
+            keep = keep[len(keep) - self.limit :]
+        self.items = keep
+        return answers
+
+
+class Every:
+    """True at most once per `period_s` (for probes that must not run on every step)."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self._last_s = float("-inf")
+
+    def due(self, now_s: float) -> bool:
+        if now_s - self._last_s < self.period_s:
+            return False
+        self._last_s = now_s
+        return True
+
+
+def named_actor(name: str, namespace: str) -> Any | None:
+    """The named actor's handle, or None when no such actor exists."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def incarnation_of(name: str, namespace: str, timeout_s: float) -> int | None:
+    """The named actor's incarnation (its `ping()`), or None if it is gone or silent."""
+    try:
+        handle = ray.get_actor(name, namespace=namespace)
+        answer: Any = ray.get(handle.ping.remote(), timeout=timeout_s)
+    except (ValueError, RayActorError, GetTimeoutError):
+        return None
+    return int(answer)
+
+
+def is_gone(name: str, namespace: str, timeout_s: float) -> bool:
+    """True when Ray says the named actor is dead or unknown; False when it answers or is
+    merely slow or restarting (freshness then decides)."""
+    try:
+        handle = ray.get_actor(name, namespace=namespace)
+        ray.get(handle.ping.remote(), timeout=timeout_s)
+    except (ValueError, RayActorError):
+        return True
+    except GetTimeoutError:
+        return False
+    return False
+
+
+def gone_among(names: Mapping[K, str], namespace: str, timeout_s: float) -> list[K]:
+    """The sources (keys of `names`) whose named actor Ray says is gone."""
+    return [source for source, name in names.items() if is_gone(name, namespace, timeout_s)]
+
+
+def silent(states: Iterable[tuple[K, Any]], silent_states: Iterable[Any]) -> list[K]:
+    """The sources whose state is one of `silent_states`."""
+    wanted = set(silent_states)
+    return [source for source, state in states if state in wanted]

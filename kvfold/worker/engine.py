@@ -1,0 +1,52 @@
+"""The seam between a rank and the engine that drives its cache.
+
+A rank actor owns one PagedKVCache and, optionally, one engine built over it by an
+`EngineFactory`. kvfold's simulated engine (kvfold.workload.engine.SimEngine) is one
+implementation; a real engine's adapter is another. The rank only forwards steps and
+reports what the engine did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvfold.worker.cache import PagedKVCache
+from kvfold.worker.sequence import SeqId
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A request placed on this rank: its prompt and how many tokens it may generate."""
+
+    seq_id: SeqId
+    prompt: Sequence[int] | np.ndarray
+    max_new_tokens: int
+    salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    admitted: tuple[SeqId, ...]
+    refused: tuple[SeqId, ...]  # did not fit: nothing changed for them
+    finished: tuple[SeqId, ...]
+    on_hold: tuple[SeqId, ...]  # could not grow this step
+    num_running: int
+    decoded_tokens: int
+
+
+class Engine(Protocol):
+    def step(self, admits: Sequence[EngineRequest] = (), decode_tokens: int = 1) -> StepResult:
+        """Run one engine step: decode what runs, finish what is done, admit `admits`."""
+        ...
+
+    def drain(self) -> None:
+        """Free every sequence the engine holds."""
+        ...
+
+
+EngineFactory = Callable[[PagedKVCache], Engine]
+"""Builds the engine over a freshly bound cache (the rank calls it on every bind)."""
