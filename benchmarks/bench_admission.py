@@ -43,7 +43,7 @@ def main() -> None:
     view = view_at_scale()
     for policy in (Policy.GUARANTEED_NO_EVICT, Policy.MAX_UTILIZATION):
         ctl = AdmissionController(
-            lambda: view, policy=policy, watermark=16, refresh_interval_s=3600.0
+            lambda: view, policy=policy, watermark_blocks=16, refresh_interval_s=3600.0
         )
         ctl.refresh(force=True)
         lat = []

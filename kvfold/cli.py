@@ -59,8 +59,8 @@ def _add_cluster_args(p: argparse.ArgumentParser, blocks: int, tpb: int, windows
     )
 
 
-def _connect_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray address HOST:PORT")
+def _connect_args(p: argparse.ArgumentParser, address_help: str = "Ray address HOST:PORT") -> None:
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help=address_help)
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE)
     _auth_arg(p)
 
@@ -85,38 +85,7 @@ def _apply_auth(path: str | None) -> None:
     use_token(token)
 
 
-class LiveTable:
-    """Redraws in place on a terminal; prints a plain progress line otherwise."""
-
-    def __init__(
-        self, stream: Any = sys.stdout, every_s: float = 3.0, plain_table: bool = False
-    ) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.every_s = every_s
-        self.plain_table = plain_table  # off a terminal: print the table too, not only progress
-        self._last = float("-inf")
-        self._lines = 0
-
-    def show(self, text: str, progress: str) -> None:
-        if self.tty:
-            if self._lines:
-                self.stream.write(f"\x1b[{self._lines}F\x1b[J")
-            out = f"{text}\n{progress}\n"
-            self.stream.write(out)
-            self._lines = out.count("\n")
-        else:
-            now = time.monotonic()
-            if now - self._last < self.every_s:
-                return
-            self._last = now
-            self.stream.write((f"{text}\n" if self.plain_table else "") + progress + "\n")
-        self.stream.flush()
-
-
-def _progress_hook(table: LiveTable):  # type: ignore[no-untyped-def]
-    from kvfold.display import render_table
-
+def _progress_hook(live: Any):  # type: ignore[no-untyped-def]
     def hook(view: Any, rec: Any, wall: float) -> None:
         t = view.gpu_total
         progress = (
@@ -126,7 +95,7 @@ def _progress_hook(table: LiveTable):  # type: ignore[no-untyped-def]
             f"gpu {100 * t.usage:.1f}% used, host {view.host.num_blocks_used}/"
             f"{view.host.num_blocks_total}, over-commits {rec.overcommits}"
         )
-        table.show(render_table(view), progress)
+        live.show(view, progress)
 
     return hook
 
@@ -142,11 +111,9 @@ def _write_outputs(rec: Any, out_dir: str, stem: str) -> tuple[Path, Path, Path]
 
 
 def _run_embedded(args: argparse.Namespace, workload: Any, stem: str, replay_cfg: Any) -> int:
-    _ray_env()
+    """Start an embedded cluster, launch kvfold on it, replay, and stop both."""
     from kvfold.cluster import launch, start_local_cluster
-    from kvfold.cluster.replay import replay
 
-    cache = _cache_config(args)
     print(
         f"kvfold: starting an embedded Ray cluster: {args.nodes} nodes x {args.gpus_per_node} "
         f"simulated GPUs ...",
@@ -155,13 +122,14 @@ def _run_embedded(args: argparse.Namespace, workload: Any, stem: str, replay_cfg
     t0 = time.monotonic()
     cluster = start_local_cluster(args.nodes, args.gpus_per_node, namespace=DEFAULT_NAMESPACE)
     try:
-        print(
-            f"kvfold: launching world size {args.world_size} (rank actors, node actors, "
-            f"aggregator) ...",
-            flush=True,
-        )
+        print(f"kvfold: launching world size {args.world_size} ...", flush=True)
         kv = launch(
-            args.world_size, args.gpus_per_node, cache=cache, host_num_blocks=args.host_blocks
+            args.world_size,
+            args.gpus_per_node,
+            cache=_cache_config(args),
+            host_num_blocks=args.host_blocks,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
         )
         view = kv.view()
         print(
@@ -170,19 +138,34 @@ def _run_embedded(args: argparse.Namespace, workload: Any, stem: str, replay_cfg
             f"kvfold status --address {cluster.address} --namespace {DEFAULT_NAMESPACE}",
             flush=True,
         )
-        print(f"kvfold: replaying {len(workload)} requests ...", flush=True)
-        table = LiveTable()
-        rec = replay(kv, workload, replay_cfg, on_sample=_progress_hook(table))
-        from kvfold.display import render_table
-
-        print(render_table(kv.view(), title="\nfinal view"))
-        print("\nsummary\n" + rec.format_summary())
-        csv_path, png_path, json_path = _write_outputs(rec, args.out, stem)
-        print(f"\nwrote {csv_path}, {png_path} and {json_path}")
-        kv.shutdown()
-        return 0 if rec.overcommits == 0 else 1
+        try:
+            return _replay_on(kv, args, workload, stem, replay_cfg)
+        finally:
+            kv.shutdown()
     finally:
         cluster.shutdown()
+
+
+def _replay_on(kv: Any, args: argparse.Namespace, workload: Any, stem: str, cfg: Any) -> int:
+    """Replay `workload` on a running kvfold; print the summary, write CSV/PNG/JSON."""
+    from kvfold.cluster.replay import replay
+    from kvfold.display import render_table
+    from kvfold.live import LiveView
+
+    url = kv.client.metrics_url()
+    if url:
+        print(f"kvfold: Prometheus metrics at {url}", flush=True)
+    print(f"kvfold: replaying {len(workload)} requests ...", flush=True)
+    live = LiveView()
+    try:
+        rec = replay(kv, workload, cfg, on_sample=_progress_hook(live))
+    finally:
+        live.close()
+    print(render_table(kv.view(), title="\nfinal view"))
+    print("\nsummary\n" + rec.format_summary())
+    csv_path, png_path, json_path = _write_outputs(rec, args.out, stem)
+    print(f"\nwrote {csv_path}, {png_path} and {json_path}")
+    return 0 if rec.overcommits == 0 else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -211,7 +194,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
         decode_tokens_per_s=args.decode_rate,
         policy=Policy[args.policy.upper()],
     )
-    return _run_embedded(args, workload, f"replay-{Path(args.trace).stem}", cfg)
+    stem = f"replay-{Path(args.trace).stem}"
+    if args.address is None:
+        return _run_embedded(args, workload, stem, cfg)
+    from kvfold.aggregator.client import connect
+    from kvfold.cluster.handle import KVFold
+    from kvfold.errors import KVFoldError
+
+    try:  # a kvfold already up on a real cluster (`kvfold up`): replay there, leave it up
+        connect(args.address, args.namespace)
+        return _replay_on(KVFold.attach(args.namespace), args, workload, stem, cfg)
+    except KVFoldError as e:
+        print(f"kvfold replay: {e}", file=sys.stderr)
+        return 2
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -238,24 +233,26 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from kvfold.display import render_table
     from kvfold.errors import AggregatorUnavailable
+    from kvfold.live import LiveView
 
-    table = LiveTable(every_s=0.0, plain_table=True)
+    live = LiveView(every_s=0.0, plain_table=True)
     try:
         client = _client(args)
         view = client.view()
         n = 0
         while args.iterations is None or n < args.iterations:
-            table.show(render_table(view), f"v{view.version}  (Ctrl-C to quit)")
+            live.show(view, f"v{view.version}  (Ctrl-C to quit)")
             n += 1
-            view = client.wait_for_version(view.version, timeout_s=args.interval) or client.view()
-            time.sleep(args.interval)
+            # one wait: a newer view as soon as there is one, else the same after --interval
+            view = client.wait_for_version(view.version, timeout_s=args.interval) or view
     except AggregatorUnavailable as e:
         print(f"kvfold top: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         pass
+    finally:
+        live.close()
     return 0
 
 
@@ -276,11 +273,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             namespace=args.namespace,
             detached=True,
             placement_timeout_s=args.timeout,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
         )
     except KVFoldError as e:
         print(f"kvfold up: {e}", file=sys.stderr)
         return 2
     print(render_table(kv.view(), title=f"kvfold is up in namespace {args.namespace!r}"))
+    url = kv.client.metrics_url()
+    if url:
+        print(f"Prometheus metrics at {url}")
     return 0
 
 
@@ -300,24 +302,32 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvfold", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def _metrics_args(p: argparse.ArgumentParser, port: int | None) -> None:
+    p.add_argument("--metrics-host", default="127.0.0.1", help="bind address for /metrics")
+    p.add_argument(
+        "--metrics-port", type=int, default=port, help="port for /metrics (0: any free port)"
     )
-    sub = p.add_subparsers(dest="command", required=True)
 
+
+def _demo_parser(sub: Any) -> None:
     d = sub.add_parser("demo", help="the whole system on an embedded local cluster")
     _add_cluster_args(d, blocks=512, tpb=16, windows="full,512")
+    _metrics_args(d, port=0)
+    _auth_arg(d)
     d.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     d.add_argument("--requests", type=int, default=400)
     d.add_argument("--decode-rate", type=float, default=20.0, help="tokens/s per sequence")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default="kvfold-out")
-    d.set_defaults(fn=cmd_demo)
+    d.set_defaults(fn=cmd_demo, address=None)
 
+
+def _replay_parser(sub: Any) -> None:
     r = sub.add_parser("replay", help="replay a Mooncake .jsonl or Azure .csv trace")
     r.add_argument("trace")
+    _connect_args(r, address_help="a Ray cluster running kvfold (default: an embedded one)")
     _add_cluster_args(r, blocks=4096, tpb=64, windows="full")
+    _metrics_args(r, port=None)
     r.add_argument("--time-scale", type=float, default=1.0, help="compress trace time by X")
     r.add_argument(
         "--policy",
@@ -329,24 +339,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="kvfold-out")
     r.set_defaults(fn=cmd_replay)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvfold", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    _demo_parser(sub)
+    _replay_parser(sub)
     u = sub.add_parser("up", help="start kvfold on a running Ray cluster (detached)")
     _connect_args(u)
     _add_cluster_args(u, blocks=1024, tpb=16, windows="full")
+    _metrics_args(u, port=None)
     u.add_argument("--timeout", type=float, default=60.0, help="placement timeout (s)")
-    u.add_argument("--metrics-host", default="127.0.0.1", help="bind address for /metrics")
     u.set_defaults(fn=cmd_up)
-
     s = sub.add_parser("status", help="print one cluster view")
     _connect_args(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)
-
     t = sub.add_parser("top", help="the cluster view, live")
     _connect_args(t)
     t.add_argument("--interval", type=float, default=0.5)
     t.add_argument("--iterations", type=int, default=None)
     t.set_defaults(fn=cmd_top)
-
     dn = sub.add_parser("down", help="stop kvfold's actors")
     _connect_args(dn)
     dn.set_defaults(fn=cmd_down)

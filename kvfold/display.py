@@ -107,40 +107,49 @@ def _bar(fraction: float, width: int = 10) -> str:
     return "#" * filled + "." * (width - filled)
 
 
-def render_table(view: ClusterView, title: str = "") -> str:
-    """A table of node utilization: GPU per window, host tier, sequences, rank freshness."""
+def table_cells(view: ClusterView) -> tuple[list[str], list[list[str]], str]:
+    """(column titles, one row of cells per node, the cluster's summary line): what every
+    rendering of the node table shows (plain text here, rich in kvfold.live)."""
     windows = sorted(
         {w for n in view.nodes if n for w in n.gpu},
         key=lambda w: (w is not None, w or 0),
     )
-    head = f"{'node':>4} {'state':<7} {'ranks':>9} {'fresh':>5} "
-    head += "".join(f"{'gpu ' + window_label(w):>20} " for w in windows)
-    head += f"{'host used/total':>17} {'seqs':>5} {'hit%':>6}"
-    lines = []
-    if title:
-        lines.append(title)
-    lines.append(head)
+    head = ["node", "state", "ranks", "fresh", *(f"gpu {window_label(w)}" for w in windows)]
+    head += ["host used/total", "seqs", "hit%"]
+    rows = []
     for i, (n, s) in enumerate(zip(view.nodes, view.node_states, strict=True)):
         if n is None:
-            lines.append(f"{i:>4} {s.value:<7} {'-':>9}")
+            rows.append([str(i), s.value, "-", "", *([""] * len(windows)), "", "", ""])
             continue
-        row = f"{n.node:>4} {s.value:<7} {f'{n.rank_start}-{n.rank_end - 1}':>9} "
-        row += f"{f'{n.num_ranks_fresh}/{n.num_ranks_expected}':>5} "
+        row = [str(n.node), s.value, f"{n.rank_start}-{n.rank_end - 1}"]
+        row.append(f"{n.num_ranks_fresh}/{n.num_ranks_expected}")
         for w in windows:
             g = n.gpu.get(w, BlockGauges())
-            row += f"{_bar(g.usage)} {g.num_blocks_used:>4}/{g.num_blocks_total:<4} "
+            row.append(f"{_bar(g.usage)} {g.num_blocks_used:>4}/{g.num_blocks_total:<4}")
         h = n.host
-        row += f"{(f'{h.num_blocks_used}/{h.num_blocks_total}' if h else 'off'):>17} "
-        c = n.counters.total
-        row += f"{n.num_valid_sequences:>5} {100 * c.hit_rate_with_host:>5.1f}%"
-        lines.append(row)
-    t = view.gpu_total
-    c = view.counters.total
-    lines.append(
+        row.append(f"{h.num_blocks_used}/{h.num_blocks_total}" if h else "off")
+        row += [str(n.num_valid_sequences), f"{100 * n.counters.total.hit_rate_with_host:.1f}%"]
+        rows.append(row)
+    t, c = view.gpu_total, view.counters.total
+    summary = (
         f"cluster v{view.version}: gpu {t.num_blocks_used}/{t.num_blocks_total} used "
         f"({100 * t.usage:.1f}%), host {view.host.num_blocks_used}/{view.host.num_blocks_total}, "
         f"{view.num_valid_sequences} running, hit rate {100 * c.hit_rate:.1f}% "
         f"(+host {100 * c.hit_rate_with_host:.1f}%), stale ranks {list(view.stale_ranks)}, "
         f"dead ranks {list(view.dead_ranks)}"
     )
+    return head, rows, summary
+
+
+def render_table(view: ClusterView, title: str = "") -> str:
+    """A fixed-width table of node utilization: GPU per window, host tier, sequences,
+    rank freshness (for logs, `kvfold status`, and terminals that are not live)."""
+    head, rows, summary = table_cells(view)
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)
+    ]
+    lines = [title] if title else []
+    lines.append(" ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
+    lines += [" ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.append(summary)
     return "\n".join(lines)

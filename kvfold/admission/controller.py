@@ -33,8 +33,8 @@ class AdmissionController:
         self,
         view_source: Any,
         policy: Policy = Policy.GUARANTEED_NO_EVICT,
-        watermark: int = 0,
-        stale_policy: str = "queue",
+        watermark_blocks: int = 0,
+        no_fresh: Outcome = Outcome.QUEUE,
         reservation_ttl_s: float = 30.0,
         refresh_interval_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
@@ -47,10 +47,7 @@ class AdmissionController:
             raise TypeError(
                 f"view_source must have .view() or be callable, got {type(view_source).__name__}"
             )
-        if stale_policy not in ("queue", "reject"):
-            raise ValueError(f"stale_policy must be 'queue' or 'reject', got {stale_policy!r}")
-        no_fresh = Outcome.QUEUE if stale_policy == "queue" else Outcome.REJECT
-        self.policy = AdmissionPolicy(policy, watermark, reservation_ttl_s, no_fresh)
+        self.policy = AdmissionPolicy(policy, watermark_blocks, reservation_ttl_s, no_fresh)
         self.refresh_interval_s = refresh_interval_s
         self.clock = clock
         self.lock = threading.Lock()

@@ -163,8 +163,8 @@ class AdmissionPolicy:
         check_positive("reservation_ttl_s", reservation_ttl_s)
         if no_fresh not in (Outcome.QUEUE, Outcome.REJECT):
             raise ValueError(f"no_fresh must be QUEUE or REJECT, got {no_fresh!r}")
-        self.policy = policy
-        self.watermark = watermark_blocks
+        self.capacity_policy = policy
+        self.watermark_blocks = watermark_blocks
         self.ttl_s = reservation_ttl_s
         self.residual_ttl_s = residual_ttl_s
         self.no_fresh = no_fresh
@@ -186,14 +186,14 @@ class AdmissionPolicy:
         old = self.index
         self.index = idx = CapacityIndex(view)
         # fresh ranks' capacity less the watermark; -1 for ranks that are not candidates
-        self._capacity = np.where(idx.fresh, idx.total - self.watermark, -1)
+        self._capacity = np.where(idx.fresh, idx.total - self.watermark_blocks, -1)
         if old is None or old.windows != idx.windows or old.world_size != idx.world_size:
             self.reserved = np.zeros_like(idx.free)
-            self._room = idx.free - self.watermark
+            self._room = idx.free - self.watermark_blocks
             for res in self.reservations.values():
                 self._add(res, +1)
         else:
-            self._room = idx.free - self.reserved - self.watermark
+            self._room = idx.free - self.reserved - self.watermark_blocks
         for res in list(self.reservations.values()):
             if not res.accounted and res.request_id in self.index.added.get(res.rank, ()):
                 # the view now counts the prompt's blocks; keep only the growth still to come
@@ -249,7 +249,7 @@ class AdmissionPolicy:
             request.max_new_tokens,
             idx.windows,
             idx.tokens_per_block,
-            self.policy,
+            self.capacity_policy,
         )
         need_col = np.asarray([need[w] for w in idx.windows], dtype=np.int64)[:, None]
         could: npt.NDArray[np.bool_] = np.all(self._capacity >= need_col, axis=0)

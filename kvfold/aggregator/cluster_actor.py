@@ -106,6 +106,17 @@ class ClusterAggregator:
     def ping(self) -> int:
         return self.state.version
 
+    def describe(self) -> dict[str, Any]:
+        """What a driver needs to attach to this deployment (KVFold.attach)."""
+        fresh = self.state.freshness
+        return {
+            "rank_to_node": self.topology.as_list(),
+            "report_interval_s": self.report_interval_s,
+            "stale_after_s": fresh.stale_after_s,
+            "dead_after_s": fresh.dead_after_s,
+            "ray_node_ids": list(self.ray_node_ids),
+        }
+
     @ray.method(concurrency_group="reports")
     def node_report(self, data: bytes) -> str:
         """A node's report: "accepted", or the reason it was refused (counted).

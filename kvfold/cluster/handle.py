@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import ray
@@ -17,14 +17,14 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import remove_placement_group
 
 from kvfold.aggregator.client import KVFoldClient
-from kvfold.errors import KVFoldError, RankUnavailable
+from kvfold.cluster.settings import LaunchSettings
+from kvfold.errors import AggregatorUnavailable, KVFoldError, RankUnavailable
+from kvfold.naming import AGGREGATOR_NAME, PLACEMENT_GROUP_NAME, node_actor_name, rank_actor_name
+from kvfold.ray_actor import named_actor
 from kvfold.stats import IterationStats, KVStats, SequenceStatus, Window
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
 from kvfold.worker.engine import StepResult
-
-if TYPE_CHECKING:
-    from kvfold.cluster.launcher import LaunchSettings
 
 CALL_TIMEOUT_S = 30.0
 
@@ -133,6 +133,39 @@ class KVFold:
         self.client = KVFoldClient(namespace=settings.namespace)
         self._ranks = [RankClient(r, h) for r, h in enumerate(ranks)]
 
+    @classmethod
+    def attach(cls, namespace: str) -> KVFold:
+        """A handle on a deployment started elsewhere (`kvfold up`), found by its names.
+        Its cache settings are the ranks' own; what launch was told is not kept."""
+        aggregator = named_actor(AGGREGATOR_NAME, namespace)
+        if aggregator is None:
+            raise AggregatorUnavailable(f"no kvfold in namespace {namespace!r}; `kvfold up` first")
+        d = ray.get(aggregator.describe.remote(), timeout=CALL_TIMEOUT_S)
+        topology = Topology.from_mapping(d["rank_to_node"])
+        nodes = [named_actor(node_actor_name(n), namespace) for n in range(topology.num_nodes)]
+        ranks = [named_actor(rank_actor_name(r), namespace) for r in range(topology.world_size)]
+        if any(h is None for h in [*nodes, *ranks]):
+            raise KVFoldError(f"kvfold in namespace {namespace!r} is missing some of its actors")
+        settings = LaunchSettings(
+            world_size=topology.world_size,
+            gpus_per_node=None,
+            cache=None,
+            host_num_blocks=0,
+            report_interval_s=d["report_interval_s"],
+            stale_after_s=d["stale_after_s"],
+            dead_after_s=d["dead_after_s"],
+            namespace=namespace,
+            placement_timeout_s=60.0,
+            detached=True,
+            gpus_per_rank=1.0,
+            rank_max_restarts=-1,
+        )
+        try:
+            pg = ray.util.get_placement_group(PLACEMENT_GROUP_NAME)
+        except ValueError:
+            pg = None
+        return cls(settings, topology, aggregator, nodes, ranks, pg, d["ray_node_ids"])
+
     def view(self) -> ClusterView:
         return self.client.view()
 
@@ -170,8 +203,9 @@ class KVFold:
         for h in [*self.rank_handles, *self.node_handles, self.aggregator]:
             with contextlib.suppress(RayActorError, ValueError):
                 ray.kill(h, no_restart=True)
-        with contextlib.suppress(ValueError, RayActorError):
-            remove_placement_group(self.placement_group)
+        if self.placement_group is not None:
+            with contextlib.suppress(ValueError, RayActorError):
+                remove_placement_group(self.placement_group)
 
     def __enter__(self) -> KVFold:
         return self

@@ -31,6 +31,7 @@ from kvfold.admission import (
 )
 from kvfold.checks import check_positive
 from kvfold.cluster.handle import KVFold
+from kvfold.errors import KVFoldError
 from kvfold.view import ClusterView
 from kvfold.worker.engine import StepResult
 from kvfold.worker.hashing import block_keys
@@ -45,7 +46,7 @@ class ReplayConfig:
     decode_tokens_per_s: float = 40.0  # per running sequence, in trace time
     sample_interval_s: float = 0.25
     policy: Policy = Policy.GUARANTEED_NO_EVICT
-    watermark: int = 0
+    watermark_blocks: int = 0
     max_wall_s: float | None = None
     prefix_affinity: bool = True
 
@@ -60,52 +61,89 @@ def replay(
     config: ReplayConfig = ReplayConfig(),
     on_sample: Callable[[ClusterView, ReplayRecorder, float], None] | None = None,
 ) -> ReplayRecorder:
-    rec = ReplayRecorder(num_requests=len(workload))
-    controller = AdmissionController(
-        kv.client,
-        policy=config.policy,
-        watermark=config.watermark,
-        refresh_interval_s=config.step_interval_s / 2,
-    )
-    tpb = kv.settings.cache.tokens_per_block if kv.settings.cache else 16
-    arrivals = sorted(workload, key=lambda r: r.arrival_s)
-    by_id = {r.request_id: r for r in arrivals}
-    asked: dict[str, AdmissionRequest] = {}  # built (prefix keys hashed) once per request
+    """Replay `workload` on `kv` until every request completed or was rejected (or
+    `max_wall_s` passed); returns what was recorded."""
+    run = _Replay(kv, workload, config)
+    while True:
+        wall, trace_now = run.clock()
+        run.arrive(trace_now)
+        admits = run.decide(trace_now)
+        run.engine_step(admits, trace_now)
+        run.sample(wall, trace_now, on_sample)
+        if run.done() or (config.max_wall_s is not None and wall >= config.max_wall_s):
+            break
+        run.pace(wall)
+    return run.finish()
 
-    def to_request(req: TraceRequest) -> AdmissionRequest:
-        made = asked.get(req.request_id)
+
+class _Replay:
+    """One replay's state: the controller, the FIFO queue, what runs where, the recorder."""
+
+    def __init__(self, kv: KVFold, workload: Sequence[TraceRequest], config: ReplayConfig) -> None:
+        self.kv, self.config = kv, config
+        self.rec = ReplayRecorder(num_requests=len(workload))
+        self.controller = AdmissionController(
+            kv.client,
+            policy=config.policy,
+            watermark_blocks=config.watermark_blocks,
+            refresh_interval_s=config.step_interval_s / 2,
+        )
+        # one source for the block size: what the ranks report
+        self.tokens_per_block = kv.view().gpu_total.tokens_per_block
+        if self.tokens_per_block < 1:
+            raise KVFoldError("no fresh rank reports its block size; is kvfold up?")
+        self.arrivals = sorted(workload, key=lambda r: r.arrival_s)
+        self.by_id = {r.request_id: r for r in self.arrivals}
+        self.asked: dict[str, AdmissionRequest] = {}  # built (keys hashed) once per request
+        self.pending: FifoAdmissionQueue[TraceRequest] = FifoAdmissionQueue(self.to_request)
+        self.arrived_step: dict[str, int] = {}  # the step each waiting request arrived in
+        self.in_flight: dict[str, int] = {}
+        self.step = 0
+        self.next_arrival = 0
+        self.start = time.monotonic()
+        self.last_trace = 0.0
+        self.last_sample = float("-inf")
+
+    def to_request(self, req: TraceRequest) -> AdmissionRequest:
+        made = self.asked.get(req.request_id)
         if made is None:
-            keys = tuple(block_keys(req.prompt, tpb)) if config.prefix_affinity else ()
+            keys = (
+                tuple(block_keys(req.prompt, self.tokens_per_block))
+                if self.config.prefix_affinity
+                else ()
+            )
             made = AdmissionRequest(req.request_id, req.prompt_tokens, req.max_new_tokens, keys)
-            asked[req.request_id] = made
+            self.asked[req.request_id] = made
         return made
 
-    pending: FifoAdmissionQueue[TraceRequest] = FifoAdmissionQueue(to_request)
-    arrived_step: dict[str, int] = {}  # the step each waiting request arrived in
-    step = 0
-    in_flight: dict[str, int] = {}
-    next_arrival = 0
-    start = time.monotonic()
-    last_trace = 0.0
-    last_sample = float("-inf")
-    handles = kv.rank_handles
-    while True:
-        step += 1
-        wall = time.monotonic() - start
-        trace_now = wall * config.time_scale
-        while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= trace_now:
-            pending.push(arrivals[next_arrival])
-            arrived_step[arrivals[next_arrival].request_id] = step
-            next_arrival += 1
-        controller.refresh()
+    def clock(self) -> tuple[float, float]:
+        """(wall seconds since the start, trace seconds) for a new step."""
+        self.step += 1
+        wall = time.monotonic() - self.start
+        return wall, wall * self.config.time_scale
+
+    def arrive(self, trace_now: float) -> None:
+        arrivals = self.arrivals
+        while (
+            self.next_arrival < len(arrivals) and arrivals[self.next_arrival].arrival_s <= trace_now
+        ):
+            req = arrivals[self.next_arrival]
+            self.pending.push(req)
+            self.arrived_step[req.request_id] = self.step
+            self.next_arrival += 1
+
+    def decide(self, trace_now: float) -> dict[int, list[tuple[Any, Any, int, None]]]:
+        """Decide the queue's head in order; return what each rank is to prefill."""
+        rec = self.rec
+        self.controller.refresh()
         admits: dict[int, list[tuple[Any, Any, int, None]]] = {}
-        for req, d in pending.pump(controller.decide):
+        for req, d in self.pending.pump(self.controller.decide):
             rec.decisions[f"{d.outcome.value}:{d.reason}"] += 1
             if d.outcome is Outcome.QUEUE:
                 rec.queue_decisions += 1
                 continue
-            del asked[req.request_id]  # decided (a rank may still refuse it: then built again)
-            if arrived_step.pop(req.request_id, step) < step:
+            del self.asked[req.request_id]  # decided (a rank may refuse it: then built again)
+            if self.arrived_step.pop(req.request_id, self.step) < self.step:
                 rec.ever_queued += 1  # it waited at least one step
             if d.outcome is Outcome.REJECT:
                 rec.rejected += 1
@@ -116,47 +154,76 @@ def replay(
             admits.setdefault(d.rank, []).append(
                 (req.request_id, req.prompt, req.max_new_tokens, None)
             )
-            in_flight[req.request_id] = d.rank
-        decode = max(1, round(config.decode_tokens_per_s * (trace_now - last_trace)))
-        last_trace = trace_now
+            self.in_flight[req.request_id] = d.rank
+        return admits
+
+    def engine_step(
+        self, admits: dict[int, list[tuple[Any, Any, int, None]]], trace_now: float
+    ) -> None:
+        """Every rank steps in parallel; finished requests release their reservations, and a
+        request a rank refuses is an over-commit that goes back to the queue's head."""
+        decode = max(1, round(self.config.decode_tokens_per_s * (trace_now - self.last_trace)))
+        self.last_trace = trace_now
+        handles = self.kv.rank_handles
         refs = [h.engine_step.remote(admits.get(r, []), decode) for r, h in enumerate(handles)]
         results: list[StepResult] = ray.get(refs)
+        rec = self.rec
         for res in results:
             rec.decode_stalls += len(res.on_hold)
             for sid in res.finished:
-                controller.release(str(sid))
-                in_flight.pop(str(sid), None)
+                self.controller.release(str(sid))
+                self.in_flight.pop(str(sid), None)
                 rec.completed += 1
             for sid in res.refused:
-                controller.release(str(sid))
-                in_flight.pop(str(sid), None)
+                self.controller.release(str(sid))
+                self.in_flight.pop(str(sid), None)
                 rec.overcommits += 1
                 rec.admitted -= 1
-            pending.push_front(by_id[str(sid)] for sid in res.refused)
-        if wall - last_sample >= config.sample_interval_s:
-            last_sample = wall
-            _publish_decisions(kv, controller)
-            view = kv.view()
-            rec.samples.append(sample_view(view, wall, trace_now, len(pending), len(in_flight)))
-            if on_sample is not None:
-                on_sample(view, rec, wall)
-        done = next_arrival == len(arrivals) and not pending and not in_flight
-        if done or (config.max_wall_s is not None and wall >= config.max_wall_s):
-            break
-        spare = config.step_interval_s - (time.monotonic() - start - wall)
+            self.pending.push_front(self.by_id[str(sid)] for sid in res.refused)
+
+    def sample(
+        self,
+        wall: float,
+        trace_now: float,
+        on_sample: Callable[[ClusterView, ReplayRecorder, float], None] | None,
+    ) -> None:
+        if wall - self.last_sample < self.config.sample_interval_s:
+            return
+        self.last_sample = wall
+        _publish_decisions(self.kv, self.controller)
+        view = self.kv.view()
+        self.rec.samples.append(
+            sample_view(view, wall, trace_now, len(self.pending), len(self.in_flight))
+        )
+        if on_sample is not None:
+            on_sample(view, self.rec, wall)
+
+    def done(self) -> bool:
+        return self.next_arrival == len(self.arrivals) and not self.pending and not self.in_flight
+
+    def pace(self, wall: float) -> None:
+        spare = self.config.step_interval_s - (time.monotonic() - self.start - wall)
         if spare > 0:
-            time.sleep(spare)
-    for h in handles:
-        h.engine_drain.remote()
-    ray.get([h.report_now.remote() for h in handles])
-    _publish_decisions(kv, controller)
-    time.sleep(3 * kv.settings.report_interval_s)  # let every node push what the ranks said
-    final = kv.view()
-    rec.finish(final, time.monotonic() - start)
-    rec.samples.append(
-        sample_view(final, rec.wall_s, rec.wall_s * config.time_scale, len(pending), 0)
-    )
-    return rec
+            time.sleep(spare)  # the step's wall-clock budget, not synchronisation
+
+    def finish(self) -> ReplayRecorder:
+        """Drain the ranks, then wait until the view has folded what they reported last."""
+        kv, rec = self.kv, self.rec
+        for h in kv.rank_handles:
+            h.engine_drain.remote()
+        ray.get([h.report_now.remote() for h in kv.rank_handles])
+        _publish_decisions(kv, self.controller)
+        seen = kv.view().version
+        for _ in range(2):  # two node pushes past the ranks' last reports
+            newer = kv.wait_for_version(seen, timeout_s=5 * kv.settings.report_interval_s + 1)
+            seen = newer.version if newer is not None else seen
+        final = kv.view()
+        rec.finish(final, time.monotonic() - self.start)
+        wall = rec.wall_s
+        rec.samples.append(
+            sample_view(final, wall, wall * self.config.time_scale, len(self.pending), 0)
+        )
+        return rec
 
 
 def _publish_decisions(kv: KVFold, controller: AdmissionController) -> None:

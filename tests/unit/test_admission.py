@@ -64,7 +64,7 @@ def test_blocks_needed_per_window_both_policies() -> None:
 def test_admit_reject_queue_and_reasons() -> None:
     topo = Topology(4, 2)
     view = make_view(topo, used={0: 90, 1: 95, 2: 99, 3: 80})
-    ctl = AdmissionController(lambda: view, policy=GNE, watermark=2)
+    ctl = AdmissionController(lambda: view, policy=GNE, watermark_blocks=2)
     big = ctl.decide(AdmissionRequest("too-big", prompt_tokens=400, max_new_tokens=0))
     assert (big.outcome, big.reason) == (Outcome.REJECT, "exceeds_rank_capacity")  # 100 > 100 - 2
     d = ctl.decide(AdmissionRequest("a", prompt_tokens=40, max_new_tokens=20))  # 15 blocks
@@ -92,7 +92,7 @@ def test_all_stale_queues_with_no_fresh_capacity() -> None:
     view = make_view(topo, states=stale)
     d = AdmissionController(lambda: view).decide(AdmissionRequest("a", 4, 1))
     assert (d.outcome, d.reason) == (Outcome.QUEUE, "no_fresh_capacity")
-    d = AdmissionController(lambda: view, stale_policy="reject").decide(AdmissionRequest("a", 4, 1))
+    d = AdmissionController(lambda: view, no_fresh=Outcome.REJECT).decide(AdmissionRequest("a", 4, 1))
     assert (d.outcome, d.reason) == (Outcome.REJECT, "no_fresh_capacity")
     # one stale rank is never a candidate, however empty it looks
     view = make_view(topo, used={0: 99, 1: 99, 2: 99, 3: 0}, states={3: SourceState.STALE})
@@ -105,7 +105,7 @@ def test_no_over_commit_from_four_threads_then_capacity_returns(policy: Policy) 
     topo = Topology(8, 4)
     watermark = 5
     view = make_view(topo, used={r: 10 * r for r in range(8)}, total=100)
-    ctl = AdmissionController(lambda: view, policy=policy, watermark=watermark)
+    ctl = AdmissionController(lambda: view, policy=policy, watermark_blocks=watermark)
     ctl.refresh(force=True)
     admitted: list = []  # type: ignore[type-arg]
     lock = threading.Lock()
@@ -204,8 +204,8 @@ def test_bad_requests_and_arguments() -> None:
     with pytest.raises(ValueError, match="request_id"):
         AdmissionRequest("", 1, 1)
     with pytest.raises(ValueError, match="watermark"):
-        AdmissionController(lambda: None, watermark=-1)
+        AdmissionController(lambda: None, watermark_blocks=-1)
     with pytest.raises(TypeError, match="view_source"):
         AdmissionController(42)
-    with pytest.raises(ValueError, match="stale_policy"):
-        AdmissionController(lambda: None, stale_policy="maybe")
+    with pytest.raises(ValueError, match="no_fresh"):
+        AdmissionController(lambda: None, no_fresh=Outcome.ADMIT)

@@ -1,0 +1,49 @@
+"""LaunchSettings: what a kvfold deployment was started with, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfold.checks import check_int, check_positive
+from kvfold.worker.config import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    world_size: int
+    gpus_per_node: int | None
+    cache: KVCacheConfig | None
+    host_num_blocks: int
+    report_interval_s: float
+    stale_after_s: float
+    dead_after_s: float
+    namespace: str
+    placement_timeout_s: float
+    detached: bool
+    gpus_per_rank: float
+    rank_max_restarts: int
+
+    def __post_init__(self) -> None:
+        check_int("world_size", self.world_size, 1)
+        if self.gpus_per_node is not None:
+            check_int("gpus_per_node", self.gpus_per_node, 1)
+        if self.cache is not None and not isinstance(self.cache, KVCacheConfig):
+            raise TypeError(
+                f"cache must be a KVCacheConfig or None, got {type(self.cache).__name__}"
+            )
+        check_int("host_num_blocks", self.host_num_blocks, 0)
+        for name in (
+            "report_interval_s",
+            "stale_after_s",
+            "dead_after_s",
+            "placement_timeout_s",
+            "gpus_per_rank",
+        ):
+            check_positive(name, getattr(self, name))
+        if self.dead_after_s < self.stale_after_s:
+            raise ValueError(
+                f"dead_after_s ({self.dead_after_s}) must be >= "
+                f"stale_after_s ({self.stale_after_s})"
+            )
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ValueError(f"namespace must be a non-empty str, got {self.namespace!r}")
