@@ -33,7 +33,7 @@ def view_at_scale(world: int = 1024, gpn: int = 8):  # type: ignore[no-untyped-d
         for r in range(world)
     }
     views = {
-        n: fold_node(topo, n, {r: reports[r] for r in topo.ranks_on(n)}, None, {})
+        n: fold_node(topo, n, {r: reports[r] for r in topo.ranks_on(n)}, None)
         for n in range(topo.num_nodes)
     }
     return fold_cluster(topo, views, version=1)

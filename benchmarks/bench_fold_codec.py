@@ -35,7 +35,7 @@ def rank_report(rank: int) -> RankReport:
 def node_views(topo: Topology) -> dict[int, object]:
     host = HostStats(100_000, 5_000, 5_000, 10, 10 * 262144, 5, 5 * 262144, 1, 1, 0)
     return {
-        n: fold_node(topo, n, {r: rank_report(r) for r in topo.ranks_on(n)}, host, {})
+        n: fold_node(topo, n, {r: rank_report(r) for r in topo.ranks_on(n)}, host)
         for n in range(topo.num_nodes)
     }
 
@@ -62,7 +62,7 @@ def main() -> None:
             f"fold_cluster, {world:,} ranks on {topo.num_nodes:,} nodes", t * 1e3, "ms", target_ms
         )
         node0 = {r: rank_report(r) for r in topo.ranks_on(0)}
-        tn = median_time_s(lambda: fold_node(topo, 0, node0, None, {}), repeats=30, number=20)
+        tn = median_time_s(lambda: fold_node(topo, 0, node0, None), repeats=30, number=20)
         info("  (fold_node of one 8-rank node, on its own node actor)", tn * 1e6, "us")
         info("  (all nodes folded serially + fold_cluster)", (tn * topo.num_nodes + t) * 1e3, "ms")
 

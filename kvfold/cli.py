@@ -134,7 +134,7 @@ def _run_embedded(args: argparse.Namespace, workload: Any, stem: str, replay_cfg
         view = kv.view()
         print(
             f"kvfold: up in {time.monotonic() - t0:.1f} s: {view.num_nodes} nodes expecting "
-            f"{[n.num_ranks_expected for n in view.nodes if n]} ranks. From another terminal: "
+            f"{[n.num_ranks_expected for n in view.nodes]} ranks. From another terminal: "
             f"kvfold status --address {cluster.address} --namespace {DEFAULT_NAMESPACE}",
             flush=True,
         )

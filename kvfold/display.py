@@ -77,9 +77,7 @@ def node_to_dict(n: NodeUtilization, state: SourceState) -> dict[str, Any]:
 
 
 def view_to_dict(view: ClusterView) -> dict[str, Any]:
-    nodes = []
-    for i, (n, s) in enumerate(zip(view.nodes, view.node_states, strict=True)):
-        nodes.append(node_to_dict(n, s) if n is not None else {"node": i, "state": s.value})
+    nodes = [node_to_dict(n, n.state) for n in view.nodes]
     return {
         "version": view.version,
         "built_at_unix_s": view.built_at_unix_s,
@@ -111,17 +109,17 @@ def table_cells(view: ClusterView) -> tuple[list[str], list[list[str]], str]:
     """(column titles, one row of cells per node, the cluster's summary line): what every
     rendering of the node table shows (plain text here, rich in kvfold.live)."""
     windows = sorted(
-        {w for n in view.nodes if n for w in n.gpu},
+        {w for n in view.nodes for w in n.gpu},
         key=lambda w: (w is not None, w or 0),
     )
     head = ["node", "state", "ranks", "fresh", *(f"gpu {window_label(w)}" for w in windows)]
     head += ["host used/total", "seqs", "hit%"]
     rows = []
-    for i, (n, s) in enumerate(zip(view.nodes, view.node_states, strict=True)):
-        if n is None:
-            rows.append([str(i), s.value, "-", "", *([""] * len(windows)), "", "", ""])
+    for n in view.nodes:
+        if n.state is SourceState.MISSING:
+            rows.append([str(n.node), n.state.value, "-", "", *([""] * len(windows)), "", "", ""])
             continue
-        row = [str(n.node), s.value, f"{n.rank_start}-{n.rank_end - 1}"]
+        row = [str(n.node), n.state.value, f"{n.rank_start}-{n.rank_end - 1}"]
         row.append(f"{n.num_ranks_fresh}/{n.num_ranks_expected}")
         for w in windows:
             g = n.gpu.get(w, BlockGauges())

@@ -63,90 +63,12 @@ class ViewCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         view = self.view_source()
-        gpu = GaugeMetricFamily(
-            "kvfold_gpu_blocks",
-            "GPU KV blocks of a node by window and state (last known; see kvfold_node_state)",
-            labels=["node", "window", "state"],
-        )
-        cap = GaugeMetricFamily(
-            "kvfold_gpu_capacity_blocks",
-            "GPU KV blocks of a node's ranks",
-            labels=["node", "window"],
-        )
-        host = GaugeMetricFamily(
-            "kvfold_host_blocks", "host-tier KV blocks by state", labels=["node", "state"]
-        )
-        seqs = GaugeMetricFamily(
-            "kvfold_sequences", "sequences by status", labels=["node", "status"]
-        )
-        ranks = GaugeMetricFamily("kvfold_ranks", "ranks by freshness", labels=["node", "state"])
-        nstate = GaugeMetricFamily(
-            "kvfold_node_state", "1 for the node's freshness state", labels=["node", "state"]
-        )
-        age = GaugeMetricFamily(
-            "kvfold_node_report_age_seconds",
-            "seconds since the node's last report",
-            labels=["node"],
-        )
-        blocks = CounterMetricFamily(
-            "kvfold_blocks", "KV block events by kind", labels=["node", "window", "kind"]
-        )
-        nbytes = CounterMetricFamily(
-            "kvfold_bytes", "KV bytes moved between tiers", labels=["node", "window", "kind"]
-        )
-        hblocks = CounterMetricFamily(
-            "kvfold_host_blocks", "host-tier block events", labels=["node", "kind"]
-        )
-        hbytes = CounterMetricFamily(
-            "kvfold_host_bytes", "host-tier bytes moved", labels=["node", "kind"]
-        )
-        for i, (n, s) in enumerate(zip(view.nodes, view.node_states, strict=True)):
-            node = str(i)
-            for st in SourceState:
-                nstate.add_metric([node, st.value], 1.0 if s is st else 0.0)
-            age.add_metric([node], view.node_age_s[i] if view.node_age_s else 0.0)
-            if n is None:
-                continue
-            for w, g in n.gpu.items():
-                wl = window_label(w)
-                gpu.add_metric([node, wl, "used"], g.num_blocks_used)
-                gpu.add_metric([node, wl, "cached"], g.num_blocks_cached)
-                gpu.add_metric([node, wl, "free"], g.num_blocks_free)
-                cap.add_metric([node, wl], g.num_blocks_total)
-            if n.host is not None:
-                h = n.host
-                host.add_metric([node, "used"], h.num_blocks_used)
-                host.add_metric([node, "evictable"], h.num_blocks_evictable)
-                host.add_metric([node, "free"], h.num_blocks_free)
-                for kind in HOST_KINDS:
-                    hblocks.add_metric([node, kind], getattr(h, f"{kind}_blocks"))
-                hbytes.add_metric([node, "offloaded"], h.offloaded_bytes)
-                hbytes.add_metric([node, "onboarded"], h.onboarded_bytes)
-            for status in SequenceStatus:
-                seqs.add_metric(
-                    [node, status.name.lower()], n.num_sequences_by_status.get(status, 0)
-                )
-            for st in SourceState:
-                ranks.add_metric([node, st.value], sum(1 for r in n.ranks if r.state is st))
-            for w, d in n.counters.windows.items():
-                wl = window_label(w)
-                for kind in BLOCK_KINDS:
-                    blocks.add_metric([node, wl, kind], getattr(d, f"{kind}_blocks"))
-                nbytes.add_metric([node, wl, "onboarded"], d.onboarded_bytes)
-                nbytes.add_metric([node, wl, "offloaded"], d.offloaded_bytes)
-        cluster = GaugeMetricFamily(
-            "kvfold_cluster_gpu_blocks",
-            "GPU KV blocks over fresh ranks",
-            labels=["window", "state"],
-        )
-        for w, g in view.gpu.items():
-            wl = window_label(w)
-            cluster.add_metric([wl, "used"], g.num_blocks_used)
-            cluster.add_metric([wl, "cached"], g.num_blocks_cached)
-            cluster.add_metric([wl, "free"], g.num_blocks_free)
-            cluster.add_metric([wl, "total"], g.num_blocks_total)
+        yield from _node_gauges(view)
+        yield _cluster_gpu(view)
         version = GaugeMetricFamily("kvfold_view_version", "version of the cluster view")
         version.add_metric([], view.version)
+        yield version
+        yield from _node_counters(view)
         refused = CounterMetricFamily(
             "kvfold_reports_refused", "reports refused, by reason", labels=["source", "reason"]
         )
@@ -159,23 +81,93 @@ class ViewCollector(Collector):
         )
         for (outcome, reason), count in sorted(self.admission_source().items()):
             decisions.add_metric([outcome, reason], count)
-        yield from (
-            gpu,
-            cap,
-            cluster,
-            host,
-            seqs,
-            ranks,
-            nstate,
-            age,
-            version,
-            blocks,
-            nbytes,
-            hblocks,
-            hbytes,
-            refused,
-            decisions,
-        )
+        yield from (refused, decisions)
+
+
+def _node_gauges(view: ClusterView) -> Iterator[Metric]:
+    """Per node: GPU blocks by window and state, capacity, host blocks, sequences by
+    status, ranks by freshness, the node's own state and silence."""
+    gpu = GaugeMetricFamily(
+        "kvfold_gpu_blocks",
+        "GPU KV blocks of a node by window and state (last known; see kvfold_node_state)",
+        labels=["node", "window", "state"],
+    )
+    cap = GaugeMetricFamily(
+        "kvfold_gpu_capacity_blocks", "GPU KV blocks of a node's ranks", labels=["node", "window"]
+    )
+    host = GaugeMetricFamily(
+        "kvfold_host_blocks", "host-tier KV blocks by state", labels=["node", "state"]
+    )
+    seqs = GaugeMetricFamily("kvfold_sequences", "sequences by status", labels=["node", "status"])
+    ranks = GaugeMetricFamily("kvfold_ranks", "ranks by freshness", labels=["node", "state"])
+    nstate = GaugeMetricFamily(
+        "kvfold_node_state", "1 for the node's freshness state", labels=["node", "state"]
+    )
+    age = GaugeMetricFamily(
+        "kvfold_node_report_age_seconds", "seconds since the node's last report", labels=["node"]
+    )
+    for n in view.nodes:
+        node = str(n.node)
+        for st in SourceState:
+            nstate.add_metric([node, st.value], 1.0 if n.state is st else 0.0)
+            ranks.add_metric([node, st.value], sum(1 for r in n.ranks if r.state is st))
+        age.add_metric([node], n.age_s)
+        for w, g in n.gpu.items():
+            wl = window_label(w)
+            for state, value in (("used", g.num_blocks_used), ("cached", g.num_blocks_cached)):
+                gpu.add_metric([node, wl, state], value)
+            gpu.add_metric([node, wl, "free"], g.num_blocks_free)
+            cap.add_metric([node, wl], g.num_blocks_total)
+        if n.host is not None:
+            host.add_metric([node, "used"], n.host.num_blocks_used)
+            host.add_metric([node, "evictable"], n.host.num_blocks_evictable)
+            host.add_metric([node, "free"], n.host.num_blocks_free)
+        for status in SequenceStatus:
+            seqs.add_metric([node, status.name.lower()], n.num_sequences_by_status.get(status, 0))
+    yield from (gpu, cap, host, seqs, ranks, nstate, age)
+
+
+def _cluster_gpu(view: ClusterView) -> Metric:
+    cluster = GaugeMetricFamily(
+        "kvfold_cluster_gpu_blocks", "GPU KV blocks over fresh ranks", labels=["window", "state"]
+    )
+    for w, g in view.gpu.items():
+        wl = window_label(w)
+        cluster.add_metric([wl, "used"], g.num_blocks_used)
+        cluster.add_metric([wl, "cached"], g.num_blocks_cached)
+        cluster.add_metric([wl, "free"], g.num_blocks_free)
+        cluster.add_metric([wl, "total"], g.num_blocks_total)
+    return cluster
+
+
+def _node_counters(view: ClusterView) -> Iterator[Metric]:
+    """Cumulative block and byte counts per node (never backwards), GPU and host tier."""
+    blocks = CounterMetricFamily(
+        "kvfold_blocks", "KV block events by kind", labels=["node", "window", "kind"]
+    )
+    nbytes = CounterMetricFamily(
+        "kvfold_bytes", "KV bytes moved between tiers", labels=["node", "window", "kind"]
+    )
+    hblocks = CounterMetricFamily(
+        "kvfold_host_blocks", "host-tier block events", labels=["node", "kind"]
+    )
+    hbytes = CounterMetricFamily(
+        "kvfold_host_bytes", "host-tier bytes moved", labels=["node", "kind"]
+    )
+    for n in view.nodes:
+        node = str(n.node)
+        for w, d in n.counters.windows.items():
+            wl = window_label(w)
+            for kind in BLOCK_KINDS:
+                blocks.add_metric([node, wl, kind], getattr(d, f"{kind}_blocks"))
+            nbytes.add_metric([node, wl, "onboarded"], d.onboarded_bytes)
+            nbytes.add_metric([node, wl, "offloaded"], d.offloaded_bytes)
+        if n.host is not None:
+            for kind in HOST_KINDS:
+                hblocks.add_metric([node, kind], getattr(n.host, f"{kind}_blocks"))
+            hbytes.add_metric([node, "offloaded"], n.host.offloaded_bytes)
+            hbytes.add_metric([node, "onboarded"], n.host.onboarded_bytes)
+    yield from (blocks, nbytes, hblocks, hbytes)
 
 
 def serve(collector: Collector, host: str = "127.0.0.1", port: int = 0) -> tuple[Any, str, int]:

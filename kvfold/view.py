@@ -67,6 +67,9 @@ class NodeUtilization:
     num_sequences_by_status: Mapping[SequenceStatus, int]  # fresh ranks
     deltas: IterationStats  # the latest interval of each fresh rank, summed
     counters: IterationStats  # every delta ever received from the node's ranks
+    # the cluster's verdict on the node (its aggregator's clock); a node's own fold is FRESH
+    state: SourceState = SourceState.FRESH
+    age_s: float = 0.0  # silence since its last report
 
     @property
     def num_ranks_expected(self) -> int:
@@ -129,9 +132,7 @@ class ClusterView:
     version: int
     built_at_s: float  # the aggregator's monotonic clock
     rank_to_node: tuple[int, ...]  # the topology the view was folded on
-    nodes: tuple[NodeUtilization | None, ...]  # None: never heard from
-    node_states: tuple[SourceState, ...]
-    node_age_s: tuple[float, ...]
+    nodes: tuple[NodeUtilization, ...]  # every node, with its state (MISSING: never heard)
     gpu: Mapping[Window, BlockGauges]  # fresh ranks of fresh nodes
     host: HostStats  # host tiers of fresh nodes, each once
     num_sequences_by_status: Mapping[SequenceStatus, int]  # fresh ranks of fresh nodes
@@ -142,48 +143,47 @@ class ClusterView:
     def world_size(self) -> int:
         return len(self.rank_to_node)
 
-    def node(self, node: int) -> NodeUtilization | None:
+    def node(self, node: int) -> NodeUtilization:
         return self.nodes[node]
 
     @property
     def num_nodes(self) -> int:
         return len(self.nodes)
 
-    def _nodes_in(self, state: SourceState) -> list[NodeUtilization]:
-        return [n for n, s in zip(self.nodes, self.node_states, strict=True) if s is state and n]
+    @property
+    def node_states(self) -> tuple[SourceState, ...]:
+        return tuple(n.state for n in self.nodes)
+
+    def _nodes_in(self, state: SourceState) -> tuple[int, ...]:
+        return tuple(n.node for n in self.nodes if n.state is state)
 
     @property
     def fresh_nodes(self) -> list[NodeUtilization]:
-        return self._nodes_in(SourceState.FRESH)
+        return [n for n in self.nodes if n.state is SourceState.FRESH]
 
     @property
     def stale_nodes(self) -> tuple[int, ...]:
-        return tuple(i for i, s in enumerate(self.node_states) if s is SourceState.STALE)
+        return self._nodes_in(SourceState.STALE)
 
     @property
     def dead_nodes(self) -> tuple[int, ...]:
-        return tuple(i for i, s in enumerate(self.node_states) if s is SourceState.DEAD)
+        return self._nodes_in(SourceState.DEAD)
 
     @property
     def missing_nodes(self) -> tuple[int, ...]:
-        return tuple(i for i, s in enumerate(self.node_states) if s is SourceState.MISSING)
+        return self._nodes_in(SourceState.MISSING)
 
     def rank_states(self) -> dict[int, SourceState]:
         """Every rank's effective state: its own within a fresh node; a stale node
         makes its live ranks stale, a dead node makes them all dead, and the ranks
         of a node never heard from are missing."""
         out: dict[int, SourceState] = {}
-        for node, (n, s) in enumerate(zip(self.nodes, self.node_states, strict=True)):
-            if n is None:
-                for rank, rn in enumerate(self.rank_to_node):
-                    if rn == node:
-                        out[rank] = SourceState.MISSING if s is SourceState.FRESH else s
-                continue
+        for n in self.nodes:
             for summary in n.ranks:
-                if s is SourceState.FRESH or summary.state is SourceState.DEAD:
+                if n.state is SourceState.FRESH or summary.state is SourceState.DEAD:
                     out[summary.rank] = summary.state
                 else:
-                    out[summary.rank] = s
+                    out[summary.rank] = n.state
         return out
 
     def _ranks_in(self, state: SourceState) -> tuple[int, ...]:
@@ -228,11 +228,11 @@ class ClusterView:
         return ratio(t.reused_blocks, t.reused_blocks + t.missed_blocks)
 
     def rank_summary(self, rank: int) -> tuple[RankSummary, SourceState] | None:
-        """A rank's last summary and its node's state, or None if never heard of."""
-        for n, s in zip(self.nodes, self.node_states, strict=True):
-            if n is None:
-                continue
-            for r in n.ranks:
-                if r.rank == rank:
-                    return r, s
+        """A rank's last summary and its node's state, or None outside the world."""
+        if not 0 <= rank < self.world_size:
+            return None
+        n = self.nodes[self.rank_to_node[rank]]
+        for r in n.ranks:
+            if r.rank == rank:
+                return r, n.state
         return None

@@ -112,9 +112,7 @@ class CapacityIndex:
         self.rank_to_node = np.asarray(view.rank_to_node, dtype=np.int64)
         windows: set[Window] = set()
         tpb = 0
-        for n, s in zip(view.nodes, view.node_states, strict=True):
-            if n is None or s is not SourceState.FRESH:
-                continue
+        for n in view.fresh_nodes:
             for r in n.ranks:
                 if r.state is SourceState.FRESH and r.gpu:
                     windows.update(r.gpu)
@@ -126,9 +124,7 @@ class CapacityIndex:
         self.total: IntArray = np.zeros((k, self.world_size), dtype=np.int64)
         self.fresh = np.zeros(self.world_size, dtype=bool)
         col = {w: i for i, w in enumerate(self.windows)}
-        for n, s in zip(view.nodes, view.node_states, strict=True):
-            if n is None or s is not SourceState.FRESH:
-                continue
+        for n in view.fresh_nodes:
             for r in n.ranks:
                 if r.state is not SourceState.FRESH:
                     continue
@@ -139,7 +135,6 @@ class CapacityIndex:
         self.added: dict[int, frozenset[str | int]] = {
             r.rank: frozenset(r.added_seq_ids)
             for n in view.nodes
-            if n is not None
             for r in n.ranks
             if r.added_seq_ids
         }

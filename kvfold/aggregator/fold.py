@@ -9,6 +9,7 @@ only its clamped ranks.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 from kvfold.stats import (
     BlockDeltas,
@@ -28,68 +29,84 @@ from kvfold.topology import Topology
 from kvfold.view import ClusterView, NodeUtilization, RankSummary, SourceState
 
 
+@dataclass(frozen=True, slots=True)
+class RankRecord:
+    """What a node knows of one rank: its latest report and the receiver's verdicts.
+
+    state: None means FRESH with a report, MISSING without. counters: the rank's
+    cumulative deltas as kept by the receiver (None: the report's). added_seq_ids: the
+    ids the rank added recently, as kept by the receiver (None: the report's).
+    """
+
+    report: RankReport | None
+    state: SourceState | None = None
+    counters: IterationStats | None = None
+    age_s: float = 0.0
+    added_seq_ids: tuple[str | int, ...] | None = None
+
+    def effective_state(self) -> SourceState:
+        """A rank without a report is never FRESH: nothing of it may count as zero capacity."""
+        if self.report is None:
+            if self.state is None or self.state is SourceState.FRESH:
+                return SourceState.MISSING
+            return self.state
+        return SourceState.FRESH if self.state is None else self.state
+
+    def summary(self, rank: int) -> RankSummary:
+        rep, state = self.report, self.effective_state()
+        if rep is None:
+            return RankSummary(rank, state, age_s=self.age_s)
+        ids = rep.added_seq_ids if self.added_seq_ids is None else self.added_seq_ids
+        return RankSummary(
+            rank=rank,
+            state=state,
+            incarnation=rep.incarnation,
+            gpu=rep.gpu,
+            num_valid_sequences=num_valid(rep.num_sequences_by_status),
+            age_s=self.age_s,
+            added_seq_ids=ids,
+            report_seq=rep.seq,
+        )
+
+
 def fold_node(
     topology: Topology,
     node: int,
-    rank_reports: Mapping[int, RankReport],
+    ranks: Mapping[int, RankRecord | RankReport],
     host_stats: HostStats | None,
-    freshness: Mapping[int, SourceState],
-    counters: Mapping[int, IterationStats] | None = None,
-    ages_s: Mapping[int, float] | None = None,
-    added_seq_ids: Mapping[int, tuple[str | int, ...]] | None = None,
 ) -> NodeUtilization:
-    """Fold one node's latest rank reports.
-
-    freshness[rank] says which ranks count (a rank without an entry is FRESH if
-    it has a report, else MISSING). counters[rank] are the rank's cumulative
-    deltas as kept by the receiver (default: the latest report's deltas).
-    added_seq_ids[rank]: the ids the rank added recently, as kept by the receiver
-    (default: the latest report's).
-    """
-    ranks = topology.ranks_on(node)
-    on_node = set(ranks)
-    for r in rank_reports:
+    """Fold one node's ranks (a bare RankReport stands for a fresh record of it). Every
+    rank of the node is listed; only fresh ones count toward capacity and sequences;
+    every rank's counters count (counters never go backwards)."""
+    expected = topology.ranks_on(node)
+    on_node = set(expected)
+    for r in ranks:
         if r not in on_node:
-            raise ValueError(f"rank {r} is not on node {node} (its ranks are {list(ranks)})")
+            raise ValueError(f"rank {r} is not on node {node} (its ranks are {list(expected)})")
     summaries: list[RankSummary] = []
     gpu_maps: list[Mapping[Window, BlockGauges]] = []
     delta_maps: list[Mapping[Window, BlockDeltas]] = []
     counter_maps: list[Mapping[Window, BlockDeltas]] = []
     status_maps: list[Mapping[SequenceStatus, int]] = []
-    for r in ranks:
-        rep = rank_reports.get(r)
-        default = SourceState.FRESH if rep is not None else SourceState.MISSING
-        state = freshness.get(r, default)
-        if rep is None and state is SourceState.FRESH:
-            state = SourceState.MISSING  # nothing to count: never silently zero capacity
-        if counters is not None and r in counters:
-            counter_maps.append(counters[r].windows)
-        elif counters is None and rep is not None:
+    for r in expected:
+        record = ranks.get(r, RankRecord(None))
+        if isinstance(record, RankReport):
+            record = RankRecord(record)
+        summaries.append(record.summary(r))
+        rep = record.report
+        if record.counters is not None:
+            counter_maps.append(record.counters.windows)
+        elif rep is not None:
             counter_maps.append(rep.deltas)
-        if rep is None:
-            summaries.append(RankSummary(r, state, age_s=(ages_s or {}).get(r, 0.0)))
-            continue
-        summaries.append(
-            RankSummary(
-                rank=r,
-                state=state,
-                incarnation=rep.incarnation,
-                gpu=rep.gpu,
-                num_valid_sequences=num_valid(rep.num_sequences_by_status),
-                age_s=(ages_s or {}).get(r, 0.0),
-                added_seq_ids=(added_seq_ids or {}).get(r, rep.added_seq_ids),
-                report_seq=rep.seq,
-            )
-        )
-        if state is SourceState.FRESH:
+        if rep is not None and summaries[-1].state is SourceState.FRESH:
             if rep.gpu is not None:
                 gpu_maps.append(rep.gpu)
             delta_maps.append(rep.deltas)
             status_maps.append(rep.num_sequences_by_status)
     return NodeUtilization(
         node=node,
-        rank_start=ranks[0],
-        rank_end=ranks[-1] + 1,
+        rank_start=expected[0],
+        rank_end=expected[-1] + 1,
         ranks=tuple(summaries),
         gpu=sum_gauges(gpu_maps),
         host=host_stats,
@@ -110,18 +127,17 @@ def fold_cluster(
     node_ages_s: Mapping[int, float] | None = None,
     counters_base: Mapping[int, IterationStats] | None = None,
 ) -> ClusterView:
-    """Fold node views into a ClusterView.
+    """Fold node views into a ClusterView: one entry per node, each with the cluster's
+    verdict on it (state, silence); a node never heard from is an empty entry.
 
-    node_states[node] says which nodes count (default FRESH for a node with a
-    view, MISSING without). counters_base[node] holds counts carried over
-    from a node actor's earlier incarnations, so cluster counters never go
-    backwards when a node actor restarts.
+    node_states[node] says which nodes count (default FRESH for a node with a view,
+    MISSING without). counters_base[node] holds counts carried over from a node actor's
+    earlier incarnations, so cluster counters never go backwards when it restarts.
     """
-    states = node_states or {}
-    nodes: list[NodeUtilization | None] = []
-    node_state_list: list[SourceState] = []
+    states, ages = node_states or {}, node_ages_s or {}
+    nodes: list[NodeUtilization] = []
     gpu_maps: list[Mapping[Window, BlockGauges]] = []
-    counter_maps: list[Mapping[Window, BlockDeltas]] = []
+    counter_maps = [base.windows for base in (counters_base or {}).values()]
     hosts: list[HostStats | None] = []
     status_maps: list[Mapping[SequenceStatus, int]] = []
     for node in range(topology.num_nodes):
@@ -129,27 +145,21 @@ def fold_cluster(
         if view is not None and view.node != node:
             raise ValueError(f"node_views[{node}] holds node {view.node}")
         state = states.get(node, SourceState.FRESH if view is not None else SourceState.MISSING)
-        if view is None and state is SourceState.FRESH:
-            state = SourceState.MISSING
-        nodes.append(view)
-        node_state_list.append(state)
         if view is None:
+            state = SourceState.MISSING if state is SourceState.FRESH else state
+            nodes.append(replace(fold_node(topology, node, {}, None), state=state))
             continue
+        nodes.append(replace(view, state=state, age_s=ages.get(node, 0.0)))
         counter_maps.append(view.counters.windows)
         if state is SourceState.FRESH:
             gpu_maps.append(view.gpu)
             hosts.append(view.host)
             status_maps.append(view.num_sequences_by_status)
-    for base in (counters_base or {}).values():
-        counter_maps.append(base.windows)
-    ages = node_ages_s or {}
     return ClusterView(
         version=version,
         built_at_s=built_at_s,
         rank_to_node=tuple(topology.as_list()),
         nodes=tuple(nodes),
-        node_states=tuple(node_state_list),
-        node_age_s=tuple(ages.get(n, 0.0) for n in range(topology.num_nodes)),
         gpu=sum_gauges(gpu_maps),
         host=sum_hosts(hosts),
         num_sequences_by_status=sum_status_counts(status_maps),
@@ -158,4 +168,4 @@ def fold_cluster(
     )
 
 
-__all__ = ["fold_cluster", "fold_node"]
+__all__ = ["RankRecord", "fold_cluster", "fold_node"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection
 
-from kvfold.aggregator.fold import fold_node
+from kvfold.aggregator.fold import RankRecord, fold_node
 from kvfold.aggregator.freshness import Verdict
 from kvfold.aggregator.receiver import ACCEPTED, ReportReceiver
 from kvfold.codec import decode_rank_report
@@ -68,17 +68,18 @@ class NodeState(ReportReceiver[RankReport]):
         return {r: self.freshness.state(r, now_s) for r in self.topology.ranks_on(self.node)}
 
     def fold(self, now_s: float, host: HostStats | None) -> NodeUtilization:
-        ranks = self.topology.ranks_on(self.node)
-        return fold_node(
-            self.topology,
-            self.node,
-            self.latest,
-            host,
-            self.rank_states(now_s),
-            counters=self.counters,
-            ages_s={r: self.freshness.age_s(r, now_s) for r in ranks},
-            added_seq_ids=self._recent_ids(now_s),
-        )
+        states, recent = self.rank_states(now_s), self._recent_ids(now_s)
+        records = {
+            r: RankRecord(
+                self.latest.get(r),
+                states[r],
+                self.counters.get(r),
+                self.freshness.age_s(r, now_s),
+                recent.get(r),
+            )
+            for r in self.topology.ranks_on(self.node)
+        }
+        return fold_node(self.topology, self.node, records, host)
 
     def _recent_ids(self, now_s: float) -> dict[int, tuple[str | int, ...]]:
         out = {}

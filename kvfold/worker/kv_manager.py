@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 from kvfold.checks import check_int
 from kvfold.stats import BlockGauges, HostStats, SequenceStatus
 from kvfold.stats import KVStats as GpuStats
-from kvfold.view import ClusterView, SourceState
+from kvfold.view import ClusterView
 
 HOST_VALID_STATUSES = (SequenceStatus.PREFILLED, SequenceStatus.ON_HOLD, SequenceStatus.IN_DECODE)
 """Sequences whose KV is in host memory (the seed's valid statuses)."""
@@ -236,9 +236,7 @@ def host_utilizations(view: ClusterView) -> list[HostKVUtilization]:
     """The seed's per-node utilization of every fresh node of a cluster view (nodes
     that are stale, dead or never heard from are left out, as a gather would)."""
     out = []
-    for node, state in zip(view.nodes, view.node_states, strict=True):
-        if node is None or state is not SourceState.FRESH:
-            continue
+    for node in view.fresh_nodes:
         host = KVStats.of(node.host)
         statuses = node.num_sequences_by_status
         counts = {s: int(statuses.get(s, 0)) for s in HOST_VALID_STATUSES}

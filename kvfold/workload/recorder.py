@@ -39,10 +39,8 @@ def sample_view(
     view: ClusterView, wall_s: float, trace_s: float, queued: int, in_flight: int
 ) -> Sample:
     nodes = []
-    for i, (n, s) in enumerate(zip(view.nodes, view.node_states, strict=True)):
-        if n is None:
-            nodes.append(NodeSample(i, s.value, 0.0, 0, 0, 0, 0, 0, 0))
-            continue
+    for n in view.nodes:
+        i, s = n.node, n.state
         fresh = s is SourceState.FRESH
         g = n.gpu_total
         h = n.host

@@ -106,9 +106,9 @@ def test_host_lru_and_dropped_counts(kv) -> None:  # type: ignore[no-untyped-def
 
 
 def test_a_rank_with_another_layout_is_refused(kv) -> None:  # type: ignore[no-untyped-def]
-    import ray
-
     from dataclasses import replace
+
+    import ray
 
     bad = replace(CACHE, tokens_per_block=8).block_layout()
     assert ray.get(kv.node(0).host_put_many.remote(bad, [(None, b"k", np.zeros(1, np.uint8))])) == [

@@ -14,7 +14,7 @@ from kvfold.admission import (
     Policy,
     blocks_needed,
 )
-from kvfold.aggregator.fold import fold_cluster, fold_node
+from kvfold.aggregator.fold import RankRecord, fold_cluster, fold_node
 from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
@@ -45,7 +45,12 @@ def make_view(
         for r in range(topo.world_size)
     }
     views = {
-        n: fold_node(topo, n, {r: reports[r] for r in topo.ranks_on(n)}, None, states or {})
+        n: fold_node(
+            topo,
+            n,
+            {r: RankRecord(reports[r], (states or {}).get(r)) for r in topo.ranks_on(n)},
+            None,
+        )
         for n in range(topo.num_nodes)
     }
     return fold_cluster(topo, views, version=version)
@@ -92,7 +97,9 @@ def test_all_stale_queues_with_no_fresh_capacity() -> None:
     view = make_view(topo, states=stale)
     d = AdmissionController(lambda: view).decide(AdmissionRequest("a", 4, 1))
     assert (d.outcome, d.reason) == (Outcome.QUEUE, "no_fresh_capacity")
-    d = AdmissionController(lambda: view, no_fresh=Outcome.REJECT).decide(AdmissionRequest("a", 4, 1))
+    d = AdmissionController(lambda: view, no_fresh=Outcome.REJECT).decide(
+        AdmissionRequest("a", 4, 1)
+    )
     assert (d.outcome, d.reason) == (Outcome.REJECT, "no_fresh_capacity")
     # one stale rank is never a candidate, however empty it looks
     view = make_view(topo, used={0: 99, 1: 99, 2: 99, 3: 0}, states={3: SourceState.STALE})

@@ -7,7 +7,7 @@ import random
 import msgpack
 import pytest
 
-from kvfold.aggregator.fold import fold_node
+from kvfold.aggregator.fold import RankRecord, fold_node
 from kvfold.codec import (
     MAX_REPORT_BYTES,
     REASONS,
@@ -27,7 +27,6 @@ from kvfold.stats import (
     sum_deltas,
 )
 from kvfold.topology import Topology
-from kvfold.view import SourceState
 from tests.unit.builders import make_report
 
 TOPO = Topology(10, 4)
@@ -66,7 +65,7 @@ def test_rank_report_round_trip() -> None:
 
 def test_node_report_round_trip() -> None:
     reports = {r: make_report(r, used=r, added=(f"s{r}",)) for r in (8, 9)}
-    util = fold_node(TOPO, 2, reports, HostStats(100, 7, 7, 3, 300), {})
+    util = fold_node(TOPO, 2, reports, HostStats(100, 7, 7, 3, 300))
     back = decode_node_report(encode_node_report(util, incarnation=3, seq=9), TOPO)
     assert (back.node, back.incarnation, back.seq) == (2, 3, 9)
     assert back.util == util
@@ -201,10 +200,12 @@ def test_fuzz_ten_thousand_messages_through_the_receivers_match_a_recount() -> N
         recount = fold_node(
             TOPO,
             node,
-            {r: accepted[r] for r in TOPO.ranks_on(node) if r in accepted},
+            {
+                r: RankRecord(accepted.get(r), counters=IterationStats(counters[r]))  # type: ignore[arg-type]
+                for r in TOPO.ranks_on(node)
+                if r in counters
+            },
             None,
-            {r: SourceState.FRESH for r in TOPO.ranks_on(node) if r in accepted},
-            counters={r: IterationStats(counters[r]) for r in TOPO.ranks_on(node) if r in counters},  # type: ignore[arg-type]
         )
         assert (after[1], after[2], after[3]) == (
             recount.gpu,
@@ -217,7 +218,7 @@ def test_fuzz_ten_thousand_messages_through_the_receivers_match_a_recount() -> N
 
 
 def test_node_report_refuses_wrong_ranks_and_nodes() -> None:
-    util = fold_node(TOPO, 2, {8: make_report(8), 9: make_report(9)}, None, {})
+    util = fold_node(TOPO, 2, {8: make_report(8), 9: make_report(9)}, None)
     msg = msgpack.unpackb(encode_node_report(util, 1, 1), raw=False)
     bad = dict(msg, n=7)
     with pytest.raises(ReportError, match="node_out_of_world"):

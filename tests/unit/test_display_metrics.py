@@ -24,7 +24,6 @@ def sample_view():  # type: ignore[no-untyped-def]
             n,
             {r: make_report(r, used=r, reused=1, missed=2) for r in topo.ranks_on(n)},
             HostStats(10, n),
-            {},
         )
         for n in range(2)
     }

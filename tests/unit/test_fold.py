@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfold.aggregator.fold import fold_cluster, fold_node
+from kvfold.aggregator.fold import RankRecord, fold_cluster, fold_node
 from kvfold.stats import BlockGauges, HostStats, SequenceStatus, sum_gauges
 from kvfold.topology import Topology
 from kvfold.view import SourceState
@@ -21,7 +21,7 @@ def fold_all(topo, reports, hosts, order):  # type: ignore[no-untyped-def]
     for node in order:
         ranks = [r for r in topo.ranks_on(node) if r in reports]
         random.Random(node).shuffle(ranks)
-        views[node] = fold_node(topo, node, {r: reports[r] for r in ranks}, hosts.get(node), {})
+        views[node] = fold_node(topo, node, {r: reports[r] for r in ranks}, hosts.get(node))
     return fold_cluster(topo, views)
 
 
@@ -73,9 +73,9 @@ def test_fold_is_order_independent_and_equals_direct_sum(case, rnd) -> None:  # 
     for node in range(topo.num_nodes):
         ranks = [r for r in topo.ranks_on(node)]
         half = len(ranks) // 2
-        left = fold_node(topo, node, {r: reports[r] for r in ranks[:half]}, None, {})
-        right = fold_node(topo, node, {r: reports[r] for r in ranks[half:]}, None, {})
-        whole = fold_node(topo, node, {r: reports[r] for r in ranks}, None, {})
+        left = fold_node(topo, node, {r: reports[r] for r in ranks[:half]}, None)
+        right = fold_node(topo, node, {r: reports[r] for r in ranks[half:]}, None)
+        whole = fold_node(topo, node, {r: reports[r] for r in ranks}, None)
         assert sum_gauges([left.gpu, right.gpu]) == whole.gpu
 
 
@@ -89,7 +89,6 @@ def test_ratios_are_never_averaged() -> None:
             1: make_report(1, used=90, total=100, reused=1, missed=99),
         },
         None,
-        {},
     )
     assert view.deltas.hit_rate == 2 / 101  # (1 + 1) / (1 + 0 + 1 + 99), not 0.505
     assert view.gpu_total.usage == 91 / 104  # (1 + 90) / (4 + 100), not (0.25 + 0.9) / 2
@@ -100,10 +99,10 @@ def test_world_10_on_4_gpu_nodes() -> None:
     topo = Topology(10, 4)
     reports = {r: make_report(r, used=r, total=16) for r in range(10)}
     views = {
-        n: fold_node(topo, n, {r: reports[r] for r in topo.ranks_on(n)}, None, {}) for n in range(3)
+        n: fold_node(topo, n, {r: reports[r] for r in topo.ranks_on(n)}, None) for n in range(3)
     }
     view = fold_cluster(topo, views)
-    assert [n.num_ranks_expected for n in view.nodes if n] == [4, 4, 2]
+    assert [n.num_ranks_expected for n in view.nodes] == [4, 4, 2]
     assert view.stale_ranks == view.dead_ranks == view.missing_ranks == ()
     node2 = views[2]
     assert (node2.rank_start, node2.rank_end) == (8, 10)
@@ -116,7 +115,7 @@ def test_eight_gpu_node_statuses_and_host_once() -> None:
     statuses = {s: i + 1 for i, s in enumerate(SequenceStatus)}  # QUEUEING 1 .. COMPLETED 6
     reports = {r: make_report(r, used=1, statuses=statuses) for r in range(8)}
     host = HostStats(num_blocks_total=1000, num_blocks_used=10)
-    view = fold_node(topo, 0, reports, host, {})
+    view = fold_node(topo, 0, reports, host)
     # valid = IN_PREFILL 2 + PREFILLED 3 + IN_DECODE 4 + ON_HOLD 5 = 14 per rank
     assert view.num_valid_sequences == 8 * 14
     assert view.num_sequences_by_status[SequenceStatus.QUEUEING] == 8
@@ -132,20 +131,21 @@ def test_unbound_and_stale_ranks() -> None:
         1: make_report(1, unbound=True),
         2: make_report(2, used=5),
     }
-    view = fold_node(topo, 0, reports, None, {2: SourceState.STALE})
+    records = {
+        r: RankRecord(rep, SourceState.STALE if r == 2 else None) for r, rep in reports.items()
+    }
+    view = fold_node(topo, 0, records, None)
     assert view.gpu_total.num_blocks_total == 16  # rank 1 unbound: 0 total; rank 2 excluded
     assert view.rank_free_blocks == {0: 14, 1: 0}
     assert view.stale_ranks == (2,)
-    empty = fold_node(topo, 0, {}, None, {})
+    empty = fold_node(topo, 0, {}, None)
     assert empty.free_percent == 0.0 and empty.num_ranks_missing == 3
 
 
 def test_stale_and_dead_nodes_are_excluded_and_listed() -> None:
     topo = Topology(4, 2)
     views = {
-        n: fold_node(
-            topo, n, {r: make_report(r, used=1) for r in topo.ranks_on(n)}, HostStats(5), {}
-        )
+        n: fold_node(topo, n, {r: make_report(r, used=1) for r in topo.ranks_on(n)}, HostStats(5))
         for n in range(2)
     }
     view = fold_cluster(topo, views, {0: FRESH, 1: SourceState.STALE})

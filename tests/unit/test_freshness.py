@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfold.aggregator.fold import fold_node
+from kvfold.aggregator.fold import RankRecord, fold_node
 from kvfold.aggregator.freshness import FreshnessTracker, Verdict
 from kvfold.topology import Topology
 from kvfold.view import SourceState
@@ -61,12 +61,12 @@ def test_silent_rank_leaves_the_node_totals_and_restart_counts_once() -> None:
         reports[r] = make_report(r, used=4, incarnation=1)
     f.observe(0, 1, 2, 0.5)  # rank 0 keeps reporting, rank 1 goes silent
     states = {r: f.state(r, 0.5) for r in (0, 1)}
-    view = fold_node(topo, 0, reports, None, states)
+    view = fold_node(topo, 0, {r: RankRecord(reports[r], states[r]) for r in reports}, None)
     assert view.gpu_total.num_blocks_total == 16 and view.stale_ranks == (1,)
     # rank 1 restarts: a new incarnation replaces the old state, counted once
     assert f.observe(1, 2, 1, 0.6) is Verdict.NEW_INCARNATION
     reports[1] = make_report(1, used=0, incarnation=2)
-    view = fold_node(topo, 0, reports, None, {r: f.state(r, 0.6) for r in (0, 1)})
+    view = fold_node(topo, 0, {r: RankRecord(reports[r], f.state(r, 0.6)) for r in reports}, None)
     assert view.gpu_total.num_blocks_total == 32 and view.gpu_total.num_blocks_used == 4
     assert view.ranks[1].incarnation == 2
 

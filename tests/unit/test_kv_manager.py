@@ -168,7 +168,7 @@ def test_host_utilizations_of_a_view_take_fresh_nodes_only() -> None:
         for r in range(10)
     }
     nodes = {
-        n: fold_node(topo, n, {r: reports[r] for r in topo.ranks_on(n)}, HostStats(100, 10 * n), {})
+        n: fold_node(topo, n, {r: reports[r] for r in topo.ranks_on(n)}, HostStats(100, 10 * n))
         for n in range(3)
     }
     view = fold_cluster(

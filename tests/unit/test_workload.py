@@ -101,7 +101,7 @@ def test_recorder_writes_csv_and_png(tmp_path: Path) -> None:
         views = {}
         for n in range(2):
             reports = {r: make_report(r, used=i + r) for r in topo.ranks_on(n)}
-            views[n] = fold_node(topo, n, reports, None, {})
+            views[n] = fold_node(topo, n, reports, None)
         rec.samples.append(sample_view(fold_cluster(topo, views, version=i), i, 10.0 * i, 0, 1))
     rec.finish(fold_cluster(topo, views, version=9), 3.0)
     rec.write_csv(tmp_path / "s.csv")
