@@ -1,0 +1,87 @@
+"""Rank reports on the wire (rank -> its node's host-KV actor):
+
+{"v": 2, "t": "rank", "r": rank, "i": incarnation, "s": seq,
+ "g": None | [[window, total, used, cached, tokens_per_block], ...],   # None: cache unbound
+ "d": [[window, alloc_total, alloc_new, reused, onboarded, onboarded_bytes, missed,
+        gen_alloc, evicted, offloaded, offloaded_bytes], ...],   # stats.DELTA_FIELDS
+ "q": [queueing, in_prefill, prefilled, in_decode, on_hold, completed],
+ "a": [seq ids added since the previous report]}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from kvfold.codec.fields import (
+    DECODE_ERRORS,
+    MAX_ADDED_IDS,
+    MAX_ID,
+    SCHEMA_VERSION,
+    bad_field,
+    delta_rows,
+    deltas_field,
+    fail,
+    gauge_rows,
+    gauges_field,
+    int_field,
+    pack,
+    seq_ids_field,
+    status_field,
+    status_row,
+    unpack,
+)
+from kvfold.errors import ReportError
+from kvfold.stats import RankReport, Window
+from kvfold.topology import Topology
+
+_RANK_KEYS = frozenset({"v", "t", "r", "i", "s", "g", "d", "q", "a"})
+
+
+def encode_rank_report(report: RankReport) -> bytes:
+    return pack(
+        {
+            "v": SCHEMA_VERSION,
+            "t": "rank",
+            "r": report.rank,
+            "i": report.incarnation,
+            "s": report.seq,
+            "g": gauge_rows(report.gpu),
+            "d": delta_rows(report.deltas),
+            "q": status_row(report.num_sequences_by_status),
+            "a": list(report.added_seq_ids[-MAX_ADDED_IDS:]),
+        }
+    )
+
+
+def decode_rank_report(
+    data: bytes,
+    topology: Topology,
+    node: int | None = None,
+    windows: Collection[Window] | None = None,
+) -> RankReport:
+    """Validate a rank report. `node`: the receiving node (the rank must be on it);
+    `windows`: the windows this deployment's caches have."""
+    try:
+        msg = unpack(data, "rank", _RANK_KEYS)
+        rank = msg["r"]
+        if type(rank) is not int:
+            raise fail("bad_field", f"rank must be an int, got {type(rank).__name__}")
+        if not 0 <= rank < topology.world_size:
+            raise fail("rank_out_of_world", f"rank {rank} not in [0, {topology.world_size})")
+        if node is not None and topology.node_of(rank) != node:
+            raise fail(
+                "rank_not_on_node", f"rank {rank} is on node {topology.node_of(rank)}, not {node}"
+            )
+        return RankReport(
+            rank=rank,
+            incarnation=int_field(msg["i"], "incarnation", MAX_ID),
+            seq=int_field(msg["s"], "seq", MAX_ID),
+            gpu=gauges_field(msg["g"], "g", windows),
+            deltas=deltas_field(msg["d"], "d", windows),
+            num_sequences_by_status=status_field(msg["q"]),
+            added_seq_ids=seq_ids_field(msg["a"], "a"),
+        )
+    except ReportError:
+        raise
+    except DECODE_ERRORS as e:  # inline, not `guarded`: no closure on the hot path
+        raise bad_field(e) from None
