@@ -111,13 +111,12 @@ def launch(
     engine_factory: the engine each rank runs over its cache (kvfold.worker.engine);
     kvfold's simulated engine by default, None for ranks driven only by their API.
     """
-    cache = KVCacheConfig() if cache is None else cache
     if namespace is None:
         namespace = ray.get_runtime_context().namespace if ray.is_initialized() else None
     settings = LaunchSettings(
         world_size=world_size,
         gpus_per_node=gpus_per_node,
-        cache=cache,
+        cache=KVCacheConfig() if cache is None else cache,
         host_num_blocks=host_num_blocks,
         report_interval_s=report_interval_s,
         stale_after_s=stale_after_s if stale_after_s is not None else 3 * report_interval_s,
@@ -128,6 +127,17 @@ def launch(
         gpus_per_rank=gpus_per_rank,
         rank_max_restarts=rank_max_restarts,
     )
+    return _deploy(settings, address, (metrics_host, metrics_port), engine_factory, wait_fresh)
+
+
+def _deploy(
+    settings: LaunchSettings,
+    address: str | None,
+    metrics: tuple[str, int | None],
+    engine_factory: EngineFactory | None,
+    wait_fresh: bool,
+) -> KVFold:
+    """Place, start every actor, wait until fresh; on any failure leave nothing behind."""
     if not ray.is_initialized():
         ray.init(address=address, namespace=settings.namespace, log_to_driver=False)
     if named_actor(AGGREGATOR_NAME, settings.namespace) is not None:
@@ -138,13 +148,13 @@ def launch(
     placement = _place(settings)
     actors: list[Any] = []
     try:
-        aggregator = _start_aggregator(settings, placement, (metrics_host, metrics_port))
+        aggregator = _start_aggregator(settings, placement, metrics)
         actors.append(aggregator)
         nodes = _start_nodes(settings, placement)
         actors += nodes
         ranks = _start_ranks(settings, placement, engine_factory)
         actors += ranks
-        ray.get([a.ping.remote() for a in actors], timeout=placement_timeout_s + 60.0)
+        ray.get([a.ping.remote() for a in actors], timeout=settings.placement_timeout_s + 60.0)
     except (RayActorError, GetTimeoutError) as e:
         for a in actors:
             ray.kill(a, no_restart=True)
@@ -154,7 +164,7 @@ def launch(
     kv = KVFold(settings, topology, aggregator, nodes, ranks, placement.group, placement.node_ids)
     if wait_fresh:
         try:
-            kv.wait_until_fresh(timeout_s=placement_timeout_s)
+            kv.wait_until_fresh(timeout_s=settings.placement_timeout_s)
         except KVFoldError:
             kv.shutdown()
             raise

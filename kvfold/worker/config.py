@@ -72,6 +72,10 @@ class KVCacheConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         check_bool("enable_prefix_reuse", self.enable_prefix_reuse)
         object.__setattr__(self, "windows", tuple(sorted(self.windows, key=window_sort_key)))
+        object.__setattr__(self, "_blocks", self._blocks_per_window())
+        self._deal_layers()
+
+    def _blocks_per_window(self) -> dict[Window, int]:
         blocks: dict[Window, int] = {}
         if isinstance(self.num_blocks, Mapping):
             if set(self.num_blocks) != set(self.windows):
@@ -84,6 +88,10 @@ class KVCacheConfig:
         else:
             n = check_int("num_blocks", self.num_blocks, 1)
             blocks = dict.fromkeys(self.windows, n)
+        return blocks
+
+    def _deal_layers(self) -> None:
+        """Check (or deal round-robin) which window group each layer belongs to."""
         layer_windows = self.layer_windows
         if layer_windows is None:
             layer_windows = tuple(
@@ -102,7 +110,6 @@ class KVCacheConfig:
             if not ls:
                 raise ValueError(f"window {w!r} has no layer in layer_windows {layer_windows}")
         object.__setattr__(self, "layer_windows", tuple(layer_windows))
-        object.__setattr__(self, "_blocks", blocks)
         object.__setattr__(self, "_layers", {w: tuple(ls) for w, ls in layers.items()})
 
     def num_blocks_of(self, window: Window) -> int:

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfold.stats import HostStats, SequenceStatus
-from kvfold.worker.kv_manager import (
+from kvfold.kv_manager import (
     HostKVUtilization,
     InMemoryBackend,
     KVCacheManager,
@@ -159,7 +159,7 @@ def test_host_utilizations_of_a_view_take_fresh_nodes_only() -> None:
     from kvfold.aggregator.fold import fold_cluster, fold_node
     from kvfold.topology import Topology
     from kvfold.view import SourceState
-    from kvfold.worker.kv_manager import host_utilizations
+    from kvfold.kv_manager import host_utilizations
     from tests.unit.builders import make_report
 
     topo = Topology(10, 4)
