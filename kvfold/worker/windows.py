@@ -15,6 +15,8 @@ check and admission (what a request can ever need).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from kvfold.stats import Window
 
 
@@ -65,7 +67,16 @@ class SlidingWindowManager(FullAttentionManager):
         return min(ceil_div(num_tokens, self.block_size), bound)
 
 
-WindowManager = FullAttentionManager  # the interface every window kind implements
+class WindowManager(Protocol):
+    """What every window kind answers (FullAttentionManager, SlidingWindowManager)."""
+
+    window: Window
+    block_size: int
+
+    def first_token(self, num_tokens: int) -> int: ...
+    def first_block(self, num_tokens: int) -> int: ...
+    def num_blocks(self, num_tokens: int) -> int: ...
+    def max_blocks(self, num_tokens: int) -> int: ...
 
 
 def window_manager(window: Window, tokens_per_block: int) -> WindowManager:
