@@ -137,6 +137,24 @@ class HostKVUtilization:
     num_prefilled: int
     num_valid_sequences: int
 
+    @classmethod
+    def of(
+        cls, rank: int, node_id: int, host: KVStats, counts: Mapping[SequenceStatus, int]
+    ) -> HostKVUtilization:
+        """From the host tier's pages and the node's sequences by (host-valid) status."""
+        return cls(
+            rank=rank,
+            node_id=node_id,
+            num_free_pages=host.num_free_pages,
+            num_total_pages=host.num_total_pages,
+            num_used_pages=host.num_used_pages,
+            free_percent=percent_free(host.num_free_pages, host.num_total_pages),
+            num_in_decode=counts[SequenceStatus.IN_DECODE],
+            num_onhold=counts[SequenceStatus.ON_HOLD],
+            num_prefilled=counts[SequenceStatus.PREFILLED],
+            num_valid_sequences=sum(counts[s] for s in HOST_VALID_STATUSES),
+        )
+
 
 def percent_free(free: int, total: int) -> int:
     """The seed's integer percentage: int(free / total * 100), 100 when total is 0."""
@@ -177,18 +195,7 @@ class KVCacheManager:
         for rank in range(start, end):
             for status in HOST_VALID_STATUSES:
                 counts[status] += len(batch.get_sequences_for_rank_with_status(rank, status))
-        return HostKVUtilization(
-            rank=request.rank,
-            node_id=node_id,
-            num_free_pages=host.num_free_pages,
-            num_total_pages=host.num_total_pages,
-            num_used_pages=host.num_used_pages,
-            free_percent=percent_free(host.num_free_pages, host.num_total_pages),
-            num_in_decode=counts[SequenceStatus.IN_DECODE],
-            num_onhold=counts[SequenceStatus.ON_HOLD],
-            num_prefilled=counts[SequenceStatus.PREFILLED],
-            num_valid_sequences=sum(counts.values()),
-        )
+        return HostKVUtilization.of(request.rank, node_id, host, counts)
 
 
 @dataclass(frozen=True)
@@ -240,20 +247,7 @@ def host_utilizations(view: ClusterView) -> list[HostKVUtilization]:
         host = KVStats.of(node.host)
         statuses = node.num_sequences_by_status
         counts = {s: int(statuses.get(s, 0)) for s in HOST_VALID_STATUSES}
-        out.append(
-            HostKVUtilization(
-                rank=node.rank_start,
-                node_id=node.node,
-                num_free_pages=host.num_free_pages,
-                num_total_pages=host.num_total_pages,
-                num_used_pages=host.num_used_pages,
-                free_percent=percent_free(host.num_free_pages, host.num_total_pages),
-                num_in_decode=counts[SequenceStatus.IN_DECODE],
-                num_onhold=counts[SequenceStatus.ON_HOLD],
-                num_prefilled=counts[SequenceStatus.PREFILLED],
-                num_valid_sequences=sum(counts.values()),
-            )
-        )
+        out.append(HostKVUtilization.of(node.rank_start, node.node, host, counts))
     return out
 
 
