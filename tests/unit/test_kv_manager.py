@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfold.stats import HostStats, SequenceStatus
 from kvfold.kv_manager import (
     HostKVUtilization,
     InMemoryBackend,
@@ -19,6 +18,7 @@ from kvfold.kv_manager import (
     RankStatusCounts,
     should_trigger_prefill,
 )
+from kvfold.stats import HostStats, SequenceStatus
 from tests.unit.builders import make_cache, toks
 
 S = SequenceStatus
@@ -157,9 +157,9 @@ def test_kvfold_stats_types_convert_and_bad_input_is_named() -> None:
 
 def test_host_utilizations_of_a_view_take_fresh_nodes_only() -> None:
     from kvfold.aggregator.fold import fold_cluster, fold_node
+    from kvfold.kv_manager import host_utilizations
     from kvfold.topology import Topology
     from kvfold.view import SourceState
-    from kvfold.kv_manager import host_utilizations
     from tests.unit.builders import make_report
 
     topo = Topology(10, 4)
