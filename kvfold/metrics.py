@@ -111,7 +111,7 @@ def _node_gauges(view: ClusterView) -> Iterator[Metric]:
         for st in SourceState:
             nstate.add_metric([node, st.value], 1.0 if n.state is st else 0.0)
             ranks.add_metric([node, st.value], sum(1 for r in n.ranks if r.state is st))
-        age.add_metric([node], n.age_s)
+        age.add_metric([node], view.age_s(n.node))
         for w, g in n.gpu.items():
             wl = window_label(w)
             for state, value in (("used", g.num_blocks_used), ("cached", g.num_blocks_cached)):

@@ -67,9 +67,9 @@ class NodeUtilization:
     num_sequences_by_status: Mapping[SequenceStatus, int]  # fresh ranks
     deltas: IterationStats  # the latest interval of each fresh rank, summed
     counters: IterationStats  # every delta ever received from the node's ranks
-    # the cluster's verdict on the node (its aggregator's clock); a node's own fold is FRESH
+    # the cluster's verdict on the node, by the aggregator's clock (a node's own fold: FRESH)
     state: SourceState = SourceState.FRESH
-    age_s: float = 0.0  # silence since its last report
+    last_report_s: float | None = None  # when its last report arrived; None: never
 
     @property
     def num_ranks_expected(self) -> int:
@@ -145,6 +145,11 @@ class ClusterView:
 
     def node(self, node: int) -> NodeUtilization:
         return self.nodes[node]
+
+    def age_s(self, node: int) -> float:
+        """Seconds the node had been silent when the view was built (0.0: never heard)."""
+        last = self.nodes[node].last_report_s
+        return 0.0 if last is None else max(0.0, self.built_at_s - last)
 
     @property
     def num_nodes(self) -> int:

@@ -93,7 +93,9 @@ class ClusterState(ReportReceiver[NodeReport]):
             version=self.version,
             built_at_s=now_s,
             built_at_unix_s=unix_s,
-            node_ages_s={n: self.freshness.age_s(n, now_s) for n in range(self.topology.num_nodes)},
+            node_last_report_s=self.freshness.last_seen(),
             counters_base=self.counters_base,
         )
+        for n in self.nodes:  # keep the stamped views: the next fold copies only what changed
+            self.nodes[n] = self._view.nodes[n]
         return self._view

@@ -9,7 +9,7 @@ only its clamped ranks.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvfold.stats import (
     BlockDeltas,
@@ -69,6 +69,10 @@ class RankRecord:
         )
 
 
+_NO_RECORD = RankRecord(None)
+FRESH = SourceState.FRESH
+
+
 def fold_node(
     topology: Topology,
     node: int,
@@ -89,15 +93,30 @@ def fold_node(
     counter_maps: list[Mapping[Window, BlockDeltas]] = []
     status_maps: list[Mapping[SequenceStatus, int]] = []
     for r in expected:
-        record = ranks.get(r, RankRecord(None))
-        if isinstance(record, RankReport):
-            record = RankRecord(record)
-        summaries.append(record.summary(r))
-        rep = record.report
-        if record.counters is not None:
-            counter_maps.append(record.counters.windows)
-        elif rep is not None:
-            counter_maps.append(rep.deltas)
+        record = ranks.get(r, _NO_RECORD)
+        if type(record) is RankReport:  # the common case: fresh, inline (the hot path)
+            rep: RankReport | None = record
+            summaries.append(
+                RankSummary(
+                    r,
+                    FRESH,
+                    record.incarnation,
+                    record.gpu,
+                    num_valid(record.num_sequences_by_status),
+                    0.0,
+                    record.added_seq_ids,
+                    record.seq,
+                )
+            )
+            counter_maps.append(record.deltas)
+        else:
+            assert isinstance(record, RankRecord)
+            rep = record.report
+            summaries.append(record.summary(r))
+            if record.counters is not None:
+                counter_maps.append(record.counters.windows)
+            elif rep is not None:
+                counter_maps.append(rep.deltas)
         if rep is not None and summaries[-1].state is SourceState.FRESH:
             if rep.gpu is not None:
                 gpu_maps.append(rep.gpu)
@@ -124,7 +143,7 @@ def fold_cluster(
     version: int = 0,
     built_at_s: float = 0.0,
     built_at_unix_s: float = 0.0,
-    node_ages_s: Mapping[int, float] | None = None,
+    node_last_report_s: Mapping[int, float] | None = None,
     counters_base: Mapping[int, IterationStats] | None = None,
 ) -> ClusterView:
     """Fold node views into a ClusterView: one entry per node, each with the cluster's
@@ -134,7 +153,7 @@ def fold_cluster(
     MISSING without). counters_base[node] holds counts carried over from a node actor's
     earlier incarnations, so cluster counters never go backwards when it restarts.
     """
-    states, ages = node_states or {}, node_ages_s or {}
+    states, last_report = node_states or {}, node_last_report_s or {}
     nodes: list[NodeUtilization] = []
     gpu_maps: list[Mapping[Window, BlockGauges]] = []
     counter_maps = [base.windows for base in (counters_base or {}).values()]
@@ -147,9 +166,9 @@ def fold_cluster(
         state = states.get(node, SourceState.FRESH if view is not None else SourceState.MISSING)
         if view is None:
             state = SourceState.MISSING if state is SourceState.FRESH else state
-            nodes.append(replace(fold_node(topology, node, {}, None), state=state))
+            nodes.append(_stamped(fold_node(topology, node, {}, None), state, None))
             continue
-        nodes.append(replace(view, state=state, age_s=ages.get(node, 0.0)))
+        nodes.append(_stamped(view, state, last_report.get(node, view.last_report_s)))
         counter_maps.append(view.counters.windows)
         if state is SourceState.FRESH:
             gpu_maps.append(view.gpu)
@@ -166,6 +185,24 @@ def fold_cluster(
         counters=IterationStats(sum_deltas(counter_maps)),
         built_at_unix_s=built_at_unix_s,
     )
+
+
+_NODE_FIELDS = NodeUtilization.__slots__
+
+
+def _stamped(
+    util: NodeUtilization, state: SourceState, last_report_s: float | None
+) -> NodeUtilization:
+    """`util` with the cluster's verdict; the same object when nothing changed (a cluster
+    keeps stamped views, so a fold copies only the nodes that reported or changed state)."""
+    if util.state is state and util.last_report_s == last_report_s:
+        return util
+    new = object.__new__(NodeUtilization)  # a field-for-field copy, cheaper than replace()
+    for name in _NODE_FIELDS:
+        object.__setattr__(new, name, getattr(util, name))
+    object.__setattr__(new, "state", state)
+    object.__setattr__(new, "last_report_s", last_report_s)
+    return new
 
 
 __all__ = ["RankRecord", "fold_cluster", "fold_node"]

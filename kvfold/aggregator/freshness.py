@@ -22,6 +22,7 @@ import enum
 from collections import Counter, deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfold.checks import check_positive
 from kvfold.view import SourceState
@@ -139,6 +140,10 @@ class FreshnessTracker:
         if age >= self.stale_after_s:
             return SourceState.STALE
         return SourceState.FRESH
+
+    def last_seen(self) -> dict[Any, float]:
+        """When each source was last heard from (receiver's monotonic clock)."""
+        return {k: s.last_seen_s for k, s in self._sources.items()}
 
     def age_s(self, source: Hashable, now_s: float) -> float:
         s = self._sources.get(source)

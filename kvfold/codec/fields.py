@@ -156,10 +156,12 @@ _ONBOARDED = DELTA_FIELDS.index("onboarded_blocks")
 
 def _make_deltas(v: list[int]) -> BlockDeltas:
     total = v[_ALLOC_TOTAL]
-    if v[_ALLOC_NEW] > total:  # alloc_new counts a subset of the taken blocks
-        raise fail("bad_field", f"alloc_new {v[_ALLOC_NEW]} > alloc_total {total}")
-    if v[_ONBOARDED] > total:  # onboarded blocks are taken blocks
-        raise fail("bad_field", f"onboarded {v[_ONBOARDED]} > alloc_total {total}")
+    # alloc_new counts a subset of the taken blocks; onboarded blocks are taken blocks
+    if v[_ALLOC_NEW] > total or v[_ONBOARDED] > total:
+        raise fail(
+            "bad_field",
+            f"alloc_new {v[_ALLOC_NEW]} or onboarded {v[_ONBOARDED]} > alloc_total {total}",
+        )
     return BlockDeltas(*v)
 
 

@@ -40,6 +40,11 @@ class BlockPool:
         """Blocks available to `take`: free plus cached."""
         return len(self.free_unkeyed) + len(self.evictable)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks with no reference that keep their key (evictable)."""
+        return len(self.evictable)
+
     def lookup(self, key: bytes) -> int | None:
         return self.key_to_block.get(key)
 

@@ -337,7 +337,7 @@ class PagedKVCache:
         B = self.block_size
         return KVStats(
             windows={
-                w: BlockGauges(p.num_blocks, p.num_used, len(p.evictable), B)
+                w: BlockGauges(p.num_blocks, p.num_used, p.num_cached, B)
                 for w, p in self.pools.items()
             },
             num_sequences_by_status=dict(self.status_counts),

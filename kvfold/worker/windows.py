@@ -15,6 +15,7 @@ check and admission (what a request can ever need).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Protocol
 
 from kvfold.stats import Window
@@ -79,7 +80,9 @@ class WindowManager(Protocol):
     def max_blocks(self, num_tokens: int) -> int: ...
 
 
+@lru_cache(maxsize=256)
 def window_manager(window: Window, tokens_per_block: int) -> WindowManager:
+    """The (shared, stateless) manager of a window kind and block size."""
     if window is None:
         return FullAttentionManager(tokens_per_block)
     return SlidingWindowManager(tokens_per_block, window)

@@ -217,7 +217,7 @@ def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untype
         v = kv.view()
         s = v.node_states[node]
         seen.add(s)
-        silences.append((s, v.nodes[node].age_s))
+        silences.append((s, v.age_s(node)))
         return s
 
     def watch() -> None:  # every state the view passes through, while the test works
@@ -345,7 +345,7 @@ def test_a_node_vanishes(kv, cluster) -> None:  # type: ignore[no-untyped-def]
         except AggregatorUnavailable as e:
             last[:] = [repr(e)]
             return False
-        last[:] = [v.node_states, v.dead_ranks, [n.age_s for n in v.nodes]]
+        last[:] = [v.node_states, v.dead_ranks, [v.age_s(n) for n in range(v.num_nodes)]]
         return v.node_states[node] is DEAD and gone <= set(v.dead_ranks)
 
     try:

@@ -151,7 +151,7 @@ def test_too_many_gpus_fails_in_time_and_leaves_nothing(kv) -> None:  # type: ig
     assert kv.view().gpu_total.num_blocks_total == 1280  # the running one is untouched
 
 
-def test_up_status_top_down_from_other_processes(kv, local_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_up_status_top_down_from_other_processes(kv, local_cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import ray
 
     cli = [sys.executable, "-m", "kvfold.cli"]
@@ -204,6 +204,26 @@ def test_up_status_top_down_from_other_processes(kv, local_cluster) -> None:  # 
         timeout=120,
     )
     assert again.returncode == 2 and "already running" in again.stderr
+    # replay a trace on the kvfold that `up` started, from yet another process; it stays up
+    trace = tmp_path / "tiny.jsonl"
+    rows = [{"timestamp": 10 * i, "input_length": 100, "output_length": 3,
+             "hash_ids": [i % 2]} for i in range(6)]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    replayed = subprocess.run(
+        [*cli, "replay", str(trace), *where, "--time-scale", "20", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert replayed.returncode == 0, replayed.stderr[-2000:]
+    summary = json.loads((tmp_path / "replay-tiny.json").read_text())
+    assert (summary["admitted"], summary["completed"], summary["overcommits"]) == (6, 6, 0)
+    assert {"kvfold:aggregator", "kvfold:rank:0"} <= {
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "kv-up"
+    }
     down = subprocess.run(
         [*cli, "down", *where], capture_output=True, text=True, env=env, timeout=120
     )
