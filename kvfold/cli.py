@@ -77,7 +77,10 @@ def _apply_auth(path: str | None) -> None:
     """Token auth must be in the environment before Ray is imported (docs/security.md)."""
     if not path:
         return
-    token = Path(path).read_text(encoding="utf-8").strip()
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise SystemExit(f"kvfold: cannot read the auth token file {path!r}: {e.strerror}") from e
     if not token:
         raise SystemExit(f"kvfold: the auth token file {path!r} is empty")
     from kvfold.ray_env import use_token
@@ -201,6 +204,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from kvfold.cluster.handle import KVFold
     from kvfold.errors import KVFoldError
 
+    print(
+        "kvfold replay: replaying on the kvfold running at that address (its own shape and "
+        "caches; the cluster and metrics flags are for the embedded cluster)",
+        flush=True,
+    )
     try:  # a kvfold already up on a real cluster (`kvfold up`): replay there, leave it up
         connect(args.address, args.namespace)
         return _replay_on(KVFold.attach(args.namespace), args, workload, stem, cfg)

@@ -203,12 +203,14 @@ class PrefillTrigger:
     """The seed's decision and, beside it, the host pages over the nodes it saw.
 
     max_free_percent is None (and the figures 0) when no node was given.
-    free_percent = 100 - int(used / total * 100) (100 - 0 when total is 0)."""
+    free_percent = 100 - int(used / total * 100) (100 - 0 when total is 0): the seed's
+    cluster figure, which rounds the used share down (1 of 3 pages used: 67, where a
+    node's own free_percent, int(2 / 3 * 100), is 66)."""
 
     should_trigger: bool
     max_free_percent: int | None
-    used: int
-    total: int
+    used_pages: int
+    total_pages: int
     free_percent: int
     num_nodes: int
 
@@ -232,8 +234,8 @@ def should_trigger_prefill(
     return PrefillTrigger(
         should_trigger=max_free > watermark_free_percent and (has_queued or has_evicted),
         max_free_percent=max_free,
-        used=used,
-        total=total,
+        used_pages=used,
+        total_pages=total,
         free_percent=100 - used_percent,
         num_nodes=len(nodes),
     )
@@ -241,7 +243,8 @@ def should_trigger_prefill(
 
 def host_utilizations(view: ClusterView) -> list[HostKVUtilization]:
     """The seed's per-node utilization of every fresh node of a cluster view (nodes
-    that are stale, dead or never heard from are left out, as a gather would)."""
+    that are stale, dead or never heard from are left out, as a gather would). A node's
+    sequences are those of its fresh ranks: a silent rank's are not known."""
     out = []
     for node in view.fresh_nodes:
         host = KVStats.of(node.host)

@@ -32,20 +32,16 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvfold.stats import SequenceStatus, window_label
+from kvfold.stats import DELTA_FIELDS, HOST_FIELDS, SequenceStatus, window_label
 from kvfold.view import ClusterView, SourceState
 
-BLOCK_KINDS = (
-    "alloc_total",
-    "alloc_new",
-    "reused",
-    "missed",
-    "onboarded",
-    "gen_alloc",
-    "evicted",
-    "offloaded",
+# the block counters of stats.BlockDeltas / HostStats, named by kind (`<kind>_blocks`)
+BLOCK_KINDS = tuple(f.removesuffix("_blocks") for f in DELTA_FIELDS if f.endswith("_blocks"))
+HOST_KINDS = tuple(
+    f.removesuffix("_blocks")
+    for f in HOST_FIELDS
+    if f.endswith("_blocks") and not f.startswith("num_")
 )
-HOST_KINDS = ("offloaded", "onboarded", "dropped", "evicted", "refused")
 
 
 class ViewCollector(Collector):

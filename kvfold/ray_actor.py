@@ -55,10 +55,6 @@ class BackgroundLoop:
         self._stop.set()
         self._wake.set()
 
-    @property
-    def stopped(self) -> bool:
-        return self._stop.is_set()
-
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(self.interval_s)
@@ -104,11 +100,13 @@ class InFlight(Generic[T]):
         refs = [r for r, _ in self.items]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         done = set(ready)
-        keep = []
-        for ref, tag in self.items:
-            if ref not in done:
-                keep.append((ref, tag))
-                continue
+        answered = [(r, t) for r, t in self.items if r in done]
+        keep = [(r, t) for r, t in self.items if r not in done]
+        given_up: list[tuple[Any, T]] = []
+        if self.limit is not None and len(keep) > self.limit:
+            given_up, keep = keep[: len(keep) - self.limit], keep[len(keep) - self.limit :]
+        self.items = keep  # taken off first: a callback that raises never counts twice
+        for ref, tag in answered:
             try:
                 answers[ref] = ray.get(ref)
             except RayError as e:
@@ -116,11 +114,8 @@ class InFlight(Generic[T]):
                 on_failure(e, tag)
                 continue
             on_answer(answers[ref], tag)
-        if self.limit is not None and len(keep) > self.limit:
-            for _, tag in keep[: len(keep) - self.limit]:
-                on_failure(RayError("no answer: given up"), tag)
-            keep = keep[len(keep) - self.limit :]
-        self.items = keep
+        for _, tag in given_up:
+            on_failure(RayError("no answer: given up"), tag)
         return answers
 
 

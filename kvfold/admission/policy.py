@@ -9,13 +9,13 @@ Blocks needed per window (B tokens per block, F tokens to hold):
     MAX_UTILIZATION:     F = prompt + B             (the prompt and one block of growth)
 
 Only fresh ranks of fresh nodes are candidates. A rank's room in window w is
-    free[w] - reserved[w] - watermark
+    free[w] - reserved[w] - watermark_blocks
 where `reserved` holds blocks promised since the rank's reports last accounted
 for them. Every window must fit on the same rank.
 
 Outcomes, checked in this order:
     QUEUE  no_fresh_capacity        no fresh rank at all (never an admit onto stale numbers)
-    REJECT exceeds_rank_capacity    no fresh rank could hold it even empty (total - watermark)
+    REJECT exceeds_rank_capacity    no fresh rank could hold it empty (total - watermark_blocks)
     ADMIT  fits                     the rank with the longest known prefix, then the most room
     QUEUE  insufficient_free_blocks fits a rank's total, not its room now
 """

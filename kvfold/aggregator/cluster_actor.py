@@ -25,6 +25,8 @@ from kvfold.stats import Window
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
 
+VERIFY_TIMEOUT_S = 2.0  # how long a node actor may take to confirm its incarnation
+
 
 class ClusterAggregator:
     def __init__(
@@ -129,7 +131,9 @@ class ClusterAggregator:
 
     def _verify_node(self, node: int, incarnation: int) -> bool:
         """Ask the named node actor itself whether it is in that incarnation."""
-        return incarnation_of(node_actor_name(node), self.namespace, 2.0) == incarnation
+        return (
+            incarnation_of(node_actor_name(node), self.namespace, VERIFY_TIMEOUT_S) == incarnation
+        )
 
     def _refresh(self) -> ClusterView:
         """Rebuild the view if anything changed; wake waiters on a new version. Holds cond."""

@@ -73,6 +73,30 @@ _NO_RECORD = RankRecord(None)
 FRESH = SourceState.FRESH
 
 
+def _rank_of(
+    rank: int, record: RankRecord | RankReport
+) -> tuple[RankReport | None, RankSummary, Mapping[Window, BlockDeltas] | None]:
+    """(latest report, summary, cumulative counters) of one rank of a node."""
+    if type(record) is RankReport:  # the common case: fresh, inline (the hot path)
+        summary = RankSummary(
+            rank,
+            FRESH,
+            record.incarnation,
+            record.gpu,
+            num_valid(record.num_sequences_by_status),
+            0.0,
+            record.added_seq_ids,
+            record.seq,
+        )
+        return record, summary, record.deltas
+    if not isinstance(record, RankRecord):
+        raise TypeError(f"ranks[{rank}] must be a RankRecord or a RankReport, got {record!r}")
+    rep = record.report
+    if record.counters is not None:
+        return rep, record.summary(rank), record.counters.windows
+    return rep, record.summary(rank), None if rep is None else rep.deltas
+
+
 def fold_node(
     topology: Topology,
     node: int,
@@ -93,30 +117,10 @@ def fold_node(
     counter_maps: list[Mapping[Window, BlockDeltas]] = []
     status_maps: list[Mapping[SequenceStatus, int]] = []
     for r in expected:
-        record = ranks.get(r, _NO_RECORD)
-        if type(record) is RankReport:  # the common case: fresh, inline (the hot path)
-            rep: RankReport | None = record
-            summaries.append(
-                RankSummary(
-                    r,
-                    FRESH,
-                    record.incarnation,
-                    record.gpu,
-                    num_valid(record.num_sequences_by_status),
-                    0.0,
-                    record.added_seq_ids,
-                    record.seq,
-                )
-            )
-            counter_maps.append(record.deltas)
-        else:
-            assert isinstance(record, RankRecord)
-            rep = record.report
-            summaries.append(record.summary(r))
-            if record.counters is not None:
-                counter_maps.append(record.counters.windows)
-            elif rep is not None:
-                counter_maps.append(rep.deltas)
+        rep, summary, counts = _rank_of(r, ranks.get(r, _NO_RECORD))
+        summaries.append(summary)
+        if counts is not None:
+            counter_maps.append(counts)
         if rep is not None and summaries[-1].state is SourceState.FRESH:
             if rep.gpu is not None:
                 gpu_maps.append(rep.gpu)

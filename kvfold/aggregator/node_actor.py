@@ -1,5 +1,5 @@
 """HostKVActor: one per node, pinned to it. The Ray shell over NodeState and the node's
-HostTier (kvfold.hosttier).
+HostTierServer (kvfold.hosttier).
 
 Takes rank reports (msgpack bytes), keeps per-rank freshness, folds the node, serves
 the node's host KV tier, and pushes the node's report to the cluster aggregator every
@@ -22,7 +22,7 @@ from ray.exceptions import RayError
 from kvfold.aggregator.node_state import NodeState
 from kvfold.aggregator.receiver import ACCEPTED, LATE
 from kvfold.codec import encode_node_report
-from kvfold.hosttier import HostTier
+from kvfold.hosttier import HostTierServer
 from kvfold.naming import AGGREGATOR_NAME, rank_actor_name
 from kvfold.ray_actor import (
     BackgroundLoop,
@@ -62,7 +62,7 @@ class HostKVActor:
         self.namespace = namespace
         self.report_interval_s = report_interval_s
         self.state = NodeState(self.topology, node, windows, stale_after_s, dead_after_s)
-        self.host = HostTier(host_num_blocks, layout)
+        self.host = HostTierServer(host_num_blocks, layout)
         self.incarnation = secrets.randbits(62) | 1
         self.seq = 0
         self.lock = threading.Lock()
@@ -101,7 +101,7 @@ class HostKVActor:
     def host_put_many(
         self, layout: BlockLayout, items: list[tuple[Window, bytes, np.ndarray]]
     ) -> list[bool]:
-        """Offload blocks (kvfold.hosttier.HostTier.put_many)."""
+        """Offload blocks (kvfold.hosttier.HostTierServer.put_many)."""
         with self.lock:
             return self.host.put_many(layout, items)
 

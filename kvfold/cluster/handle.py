@@ -140,7 +140,10 @@ class KVFold:
         aggregator = named_actor(AGGREGATOR_NAME, namespace)
         if aggregator is None:
             raise AggregatorUnavailable(f"no kvfold in namespace {namespace!r}; `kvfold up` first")
-        d = ray.get(aggregator.describe.remote(), timeout=CALL_TIMEOUT_S)
+        try:
+            d = ray.get(aggregator.describe.remote(), timeout=CALL_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError) as e:
+            raise AggregatorUnavailable(f"kvfold in namespace {namespace!r}: {e}") from e
         topology = Topology.from_mapping(d["rank_to_node"])
         nodes = [named_actor(node_actor_name(n), namespace) for n in range(topology.num_nodes)]
         ranks = [named_actor(rank_actor_name(r), namespace) for r in range(topology.world_size)]

@@ -244,7 +244,8 @@ def _start_aggregator(
 
 def _start_nodes(settings: LaunchSettings, placement: Placement) -> list[Any]:
     """One HostKVActor per node, pinned to it. Reports: one thread, in order;
-    offload/onboard: their own threads, never in the way."""
+    offload/onboard: threads of their own (they hold the node's lock while a batch is
+    copied into or out of the pool, so a large batch can delay a report by that copy)."""
     assert settings.cache is not None
     actor = ray.remote(concurrency_groups={"reports": 1, "data": 4})(HostKVActor)  # type: ignore[call-overload]
     nodes = []

@@ -209,21 +209,38 @@ class _Replay:
     def finish(self) -> ReplayRecorder:
         """Drain the ranks, then wait until the view has folded what they reported last."""
         kv, rec = self.kv, self.rec
-        for h in kv.rank_handles:
-            h.engine_drain.remote()
+        ray.get([h.engine_drain.remote() for h in kv.rank_handles])
         ray.get([h.report_now.remote() for h in kv.rank_handles])
+        sent = {
+            r: info["seq"]
+            for r, info in enumerate(ray.get([h.info.remote() for h in kv.rank_handles]))
+        }
         _publish_decisions(kv, self.controller)
-        seen = kv.view().version
-        for _ in range(2):  # two node pushes past the ranks' last reports
-            newer = kv.wait_for_version(seen, timeout_s=5 * kv.settings.report_interval_s + 1)
-            seen = newer.version if newer is not None else seen
-        final = kv.view()
+        final = _view_with_reports(kv, sent, timeout_s=30 * kv.settings.report_interval_s + 5)
         rec.finish(final, time.monotonic() - self.start)
         wall = rec.wall_s
         rec.samples.append(
             sample_view(final, wall, wall * self.config.time_scale, len(self.pending), 0)
         )
         return rec
+
+
+def _view_with_reports(kv: KVFold, sent: dict[int, int], timeout_s: float) -> ClusterView:
+    """The first view that holds every rank's report up to `sent[rank]` (or, after
+    `timeout_s`, the latest: a rank that died meanwhile never gets there)."""
+    deadline = time.monotonic() + timeout_s
+    view = kv.view()
+    while time.monotonic() < deadline:
+        seen = (view.rank_summary(r) for r in sent)
+        if all(
+            s is not None and s[0].report_seq >= sent[r] for s, r in zip(seen, sent, strict=True)
+        ):
+            return view
+        view = (
+            kv.wait_for_version(view.version, timeout_s=max(0.0, deadline - time.monotonic()))
+            or view
+        )
+    return view
 
 
 def _publish_decisions(kv: KVFold, controller: AdmissionController) -> None:

@@ -2,6 +2,6 @@
 
 from kvfold.hosttier.packing import unpack_blocks
 from kvfold.hosttier.pool import HostKVPool
-from kvfold.hosttier.tier import HostTier
+from kvfold.hosttier.tier import HostTierServer
 
-__all__ = ["HostKVPool", "HostTier", "unpack_blocks"]
+__all__ = ["HostKVPool", "HostTierServer", "unpack_blocks"]

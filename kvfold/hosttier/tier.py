@@ -1,4 +1,4 @@
-"""HostTier: a node's host KV tier as its ranks reach it: the pool behind a layout check.
+"""HostTierServer: a node's host KV tier as its ranks reach it: the pool behind a layout check.
 
 Every rank on the node offloads into and onboards from one HostKVPool. A block is only
 meaningful to a rank with the same layout (tokens per block, heads, head size, dtype,
@@ -15,7 +15,7 @@ from kvfold.stats import HostStats, Window
 from kvfold.worker.config import BlockLayout
 
 
-class HostTier:
+class HostTierServer:
     def __init__(self, num_blocks: int, layout: BlockLayout | None) -> None:
         slot_nbytes = 0 if layout is None or not num_blocks else layout.max_block_nbytes
         self.pool = HostKVPool(num_blocks if slot_nbytes else 0, slot_nbytes)

@@ -45,9 +45,6 @@ class BlockPool:
         """Blocks with no reference that keep their key (evictable)."""
         return len(self.evictable)
 
-    def lookup(self, key: bytes) -> int | None:
-        return self.key_to_block.get(key)
-
     def cached_run(self, keys: Iterable[bytes]) -> list[int]:
         """The blocks holding `keys`, from the first, up to the first key not held."""
         lookup = self.key_to_block.get

@@ -38,7 +38,7 @@ from kvfold.worker.integrity import check_cache_integrity
 from kvfold.worker.sequence import SeqId, SeqState, check_seq_id
 from kvfold.worker.storage import KVStorage
 from kvfold.worker.trtllm import trtllm_stats
-from kvfold.worker.windows import WindowManager, ceil_div, window_manager
+from kvfold.worker.windows import Growth, WindowManager, window_manager
 
 
 @dataclass(slots=True)
@@ -48,6 +48,7 @@ class _PromptPlan:
     window: Window
     pool: BlockPool
     first: int  # logical index of the first block the window holds
+    limit: int  # blocks [first, limit) may be reused or onboarded
     hits: list[int]  # cached blocks reused, from `first` on
     num_new: int  # blocks to take: onboarded into, or computed
     payloads: list[np.ndarray] = field(default_factory=list)  # from the host tier
@@ -55,13 +56,11 @@ class _PromptPlan:
 
 @dataclass(slots=True)
 class _GrowthPlan:
-    """What appending tokens does to one window pool."""
+    """What appending tokens does to one window pool (kvfold.worker.windows.Growth)."""
 
     window: Window
     pool: BlockPool
-    first: int  # the window's first block after the append
-    num_release: int  # blocks that fell wholly out of the window
-    num_new: int
+    growth: Growth
 
 
 class PagedKVCache:
@@ -135,14 +134,13 @@ class PagedKVCache:
         hasher = new_hasher(salt)
         B = self.block_size
         keys = extend_keys(hasher, tokens, B) if self.config.enable_prefix_reuse else []
-        limit = min((int(tokens.size) - 1) // B, len(keys))  # the last token is computed
-        plans = self._plan_prompt(int(tokens.size), keys, limit)
+        plans = self._plan_prompt(int(tokens.size), keys)
         if plans is None:
             return False
         if self.host is not None:
             for plan in plans:
                 start = plan.first + len(plan.hits)
-                plan.payloads = self.host.fetch(plan.window, keys[start:limit])
+                plan.payloads = self.host.fetch(plan.window, keys[start : plan.limit])
         seq = SeqState(seq_id, hasher, SequenceStatus.IN_PREFILL, num_tokens=int(tokens.size))
         if self.config.enable_prefix_reuse:
             seq.keys = keys
@@ -156,17 +154,17 @@ class PagedKVCache:
         self._flush_offloads()
         return True
 
-    def _plan_prompt(self, length: int, keys: list[bytes], limit: int) -> list[_PromptPlan] | None:
+    def _plan_prompt(self, length: int, keys: list[bytes]) -> list[_PromptPlan] | None:
         """Per window: the reusable run and the blocks to take; None if one lacks room."""
         plans = []
         for w, pool in self.pools.items():
             mgr = self.managers[w]
-            first = mgr.first_block(length)
+            first, limit = mgr.first_block(length), min(mgr.reuse_limit(length), len(keys))
             hits = pool.cached_run(keys[first:limit])
             num_new = mgr.num_blocks(length) - len(hits)
             if not pool.can_take(num_new, attaching=hits):
                 return None
-            plans.append(_PromptPlan(w, pool, first, hits, num_new))
+            plans.append(_PromptPlan(w, pool, first, limit, hits, num_new))
         return plans
 
     def _apply_prompt(self, seq: SeqState, plan: _PromptPlan) -> None:
@@ -221,43 +219,37 @@ class PagedKVCache:
             new_keys = extend_keys(seq.hasher, tail, self.block_size)
             seq.tail = tail[len(new_keys) * self.block_size :].tolist()
             seq.keys.extend(new_keys)
-        n0 = ceil_div(seq.num_tokens, self.block_size)
         for plan in plans:
-            self._apply_growth(seq, plan, key_start, n0)
+            self._apply_growth(seq, plan, key_start)
         seq.num_tokens += int(tokens.size)
         self._flush_offloads()
         return True
 
     def _plan_growth(self, seq: SeqState, length: int) -> list[_GrowthPlan] | None:
-        n0, n1 = ceil_div(seq.num_tokens, self.block_size), ceil_div(length, self.block_size)
         plans = []
         for w, pool in self.pools.items():
-            first0 = seq.first[w]
-            first1 = max(first0, self.managers[w].first_block(length))
-            num_release = max(0, min(first1, n0) - first0)
-            num_new = n1 - max(n0, first1)
-            if not pool.can_take(num_new, releasing=seq.tables[w][:num_release]):
+            g = self.managers[w].growth(seq.first[w], seq.num_tokens, length)
+            if not pool.can_take(g.num_new, releasing=seq.tables[w][: g.num_release]):
                 return None
-            plans.append(_GrowthPlan(w, pool, first1, num_release, num_new))
+            plans.append(_GrowthPlan(w, pool, g))
         return plans
 
-    def _apply_growth(self, seq: SeqState, plan: _GrowthPlan, key_start: int, n0: int) -> None:
+    def _apply_growth(self, seq: SeqState, plan: _GrowthPlan, key_start: int) -> None:
         """Key the held blocks that just became full, release what left the window, take
         the new blocks (keyed when already full). Cannot fail: room was checked."""
-        w, pool, table = plan.window, plan.pool, seq.tables[plan.window]
+        w, pool, g, table = plan.window, plan.pool, plan.growth, seq.tables[plan.window]
         first0 = seq.first[w]
         for i in range(max(key_start, first0), min(len(seq.keys), first0 + len(table))):
             pool.set_key(table[i - first0], seq.keys[i])
-        if plan.num_release:
-            pool.release(table[: plan.num_release])
-            self.released_refs[w] += plan.num_release
-            del table[: plan.num_release]
-        new = self._take(w, pool, plan.num_new)
-        start = max(n0, plan.first)
-        pool.set_keys(new, seq.keys[start:])
+        if g.num_release:
+            pool.release(table[: g.num_release])
+            self.released_refs[w] += g.num_release
+            del table[: g.num_release]
+        new = self._take(w, pool, g.num_new)
+        pool.set_keys(new, seq.keys[g.start :])
         table.extend(new)
-        seq.first[w] = plan.first
-        self.ledger.pending[w].gen_alloc_blocks += plan.num_new
+        seq.first[w] = g.first
+        self.ledger.pending[w].gen_alloc_blocks += g.num_new
 
     def set_status(self, seq_id: SeqId, status: SequenceStatus) -> None:
         """Move a sequence between statuses.

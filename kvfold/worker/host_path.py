@@ -67,7 +67,7 @@ class HostLink:
         nbytes = self.storage.block_nbytes(window)
         out: list[np.ndarray] = []
         for p in payloads[: len(keys)]:
-            if not isinstance(p, np.ndarray) or p.dtype != np.uint8 or p.size != nbytes:
+            if not isinstance(p, np.ndarray) or p.dtype != np.uint8 or p.shape != (nbytes,):
                 self.fetch_failures += 1
                 got = f"{p.size} {p.dtype}" if isinstance(p, np.ndarray) else type(p).__name__
                 log.warning(

@@ -45,7 +45,7 @@ MAX_INFLIGHT_REPORTS = 64
 HOST_TIMEOUT_S = 2.0
 
 
-class NodeHostTier:
+class RemoteHostTier:
     """The node's host tier as seen from a rank: the HostTier seam over the node actor.
 
     Failures raise (NodeUnavailable, Ray's errors, a timeout); the cache's HostLink
@@ -120,7 +120,7 @@ class RankWorker:
         self.engine_factory = engine_factory
         self.engine: Engine | None = None
         self.layout: BlockLayout | None = None
-        self.host = NodeHostTier(self) if host_tier else None
+        self.host = RemoteHostTier(self) if host_tier else None
         self._node: Any = None
         self._unreported: dict[Window, BlockDeltas] = {}
         self._added: list[SeqId] = []
@@ -139,6 +139,9 @@ class RankWorker:
     def bind(self, config: KVCacheConfig) -> dict[str, Any]:
         """Bind (or rebind, empty) the rank's KV cache, and its engine over it."""
         with self.lock:
+            if self.host is not None and self.cache is not None:
+                self.host.settle(self.cache)  # answers for the old cache count there
+                self.host.pending.items.clear()  # the rest belong to a cache that is gone
             self.cache = PagedKVCache(config, host_tier=self.host)
             self.engine = None if self.engine_factory is None else self.engine_factory(self.cache)
             self.layout = config.block_layout()
@@ -221,7 +224,13 @@ class RankWorker:
         return ok
 
     def set_status(self, seq_id: SeqId, status: int | str, report: bool = False) -> None:
-        s = SequenceStatus[status] if isinstance(status, str) else SequenceStatus(status)
+        try:
+            s = SequenceStatus[status] if isinstance(status, str) else SequenceStatus(status)
+        except (KeyError, ValueError):
+            names = [m.name for m in SequenceStatus]
+            raise ValueError(
+                f"status must be one of {names} (or its value), got {status!r}"
+            ) from None
         with self.lock:
             self._cache().set_status(seq_id, s)
         self._changed(report)

@@ -131,7 +131,7 @@ class KVStorage:
         """Overwrite one block from raw bytes produced by `read_block` on the same geometry."""
         pool = self.pools[window]
         nbytes = self.block_nbytes(window)
-        if data.dtype != np.uint8 or data.size != nbytes:
+        if data.dtype != np.uint8 or data.shape != (nbytes,):
             raise ValueError(
                 f"block payload must be {nbytes} uint8 bytes for window {window!r}, "
                 f"got {data.size} {data.dtype}"

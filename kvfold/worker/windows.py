@@ -16,13 +16,20 @@ check and admission (what a request can ever need).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvfold.stats import Window
 
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class Growth(NamedTuple):
+    first: int  # the first held block after the growth
+    num_release: int  # blocks that fell wholly out of the window
+    start: int  # logical index of the first new block
+    num_new: int  # blocks to take
 
 
 class FullAttentionManager:
@@ -49,6 +56,24 @@ class FullAttentionManager:
         """The most blocks the group ever holds at once while a sequence grows from
         nothing to `num_tokens` tokens (what admission must be able to promise)."""
         return ceil_div(num_tokens, self.block_size)
+
+    def reuse_limit(self, num_tokens: int) -> int:
+        """Blocks [first_block, reuse_limit) of a prompt may come from a cache: the last
+        token is always computed, as in vLLM and TensorRT-LLM."""
+        return (num_tokens - 1) // self.block_size
+
+    def growth(self, first: int, num_tokens: int, new_num_tokens: int) -> Growth:
+        """What growing from `num_tokens` to `new_num_tokens` does to a sequence whose
+        first held block is `first`:
+
+            held  [first ............ ceil(L0/B))      L0 -> L1
+            after       [first' ............................ ceil(L1/B))
+                  ^^^^^ released (left the window)   ^^^^^^^^ new, from max(ceil(L0/B), first')
+        """
+        n0, n1 = ceil_div(num_tokens, self.block_size), ceil_div(new_num_tokens, self.block_size)
+        new_first = max(first, self.first_block(new_num_tokens))
+        start = max(n0, new_first)
+        return Growth(new_first, max(0, min(new_first, n0) - first), start, n1 - start)
 
 
 class SlidingWindowManager(FullAttentionManager):
@@ -78,6 +103,8 @@ class WindowManager(Protocol):
     def first_block(self, num_tokens: int) -> int: ...
     def num_blocks(self, num_tokens: int) -> int: ...
     def max_blocks(self, num_tokens: int) -> int: ...
+    def reuse_limit(self, num_tokens: int) -> int: ...
+    def growth(self, first: int, num_tokens: int, new_num_tokens: int) -> Growth: ...
 
 
 @lru_cache(maxsize=256)

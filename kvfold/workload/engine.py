@@ -34,6 +34,11 @@ class SimEngine:
         """One engine step; each running sequence decodes up to `decode_tokens` tokens
         (a coarse step stands for several engine iterations when time is compressed)."""
         check_int("decode_tokens", decode_tokens, 1)
+        for req in admits:  # every request checked before the step changes anything
+            if req.max_new_tokens < 1:
+                raise ValueError(
+                    f"max_new_tokens must be >= 1, got {req.max_new_tokens} ({req.seq_id!r})"
+                )
         finished, on_hold, decoded = self._decode(decode_tokens)
         admitted, refused = self._admit(admits)
         return StepResult(
@@ -77,8 +82,6 @@ class SimEngine:
         admitted: list[SeqId] = []
         refused: list[SeqId] = []
         for req in admits:
-            if req.max_new_tokens < 1:
-                raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
             if self.cache.add_sequence(req.seq_id, req.prompt, salt=req.salt):
                 self.remaining[req.seq_id] = req.max_new_tokens
                 admitted.append(req.seq_id)

@@ -104,3 +104,40 @@ def test_embedded_cluster_listens_on_loopback_with_token_auth(tmp_path: Path) ->
         server.stdin.close()  # type: ignore[union-attr]
         server.wait(timeout=60)
     assert not Path(token_path).exists()  # the cluster's token goes with it
+
+
+# a process that imported Ray before it started the cluster: no token auth is possible
+# any more (Ray reads it at import), so the cluster must still listen on loopback only
+SERVER_RAY_FIRST = r"""
+import sys
+import ray  # before kvfold configured the process
+from kvfold.cluster import start_local_cluster
+c = start_local_cluster(2, 1)
+print(c.address, c.token_auth, c.token_path, flush=True)
+sys.stdin.read()
+c.shutdown()
+"""
+
+
+def test_without_token_auth_nothing_listens_beyond_loopback(tmp_path: Path) -> None:
+    log = tmp_path / "server.err"
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER_RAY_FIRST],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+        env=env(tmp_path),
+    )
+    try:
+        line = server.stdout.readline().split()  # type: ignore[union-attr]
+        if len(line) != 3:
+            pytest.fail("the embedded cluster did not start")
+        assert line[1:] == ["False", "None"]  # no token auth, no token saved
+        sockets = listening(psutil.Process(server.pid))
+        assert len(sockets) >= 3
+        assert all(is_loopback(ip) for ip, *_ in sockets), sockets
+    finally:
+        server.stdin.close()  # type: ignore[union-attr]
+        server.wait(timeout=60)
+    assert "without token auth, bound to 127.0.0.1 only" in log.read_text()

@@ -129,7 +129,12 @@ def test_the_seeds_prefill_trigger() -> None:
     nodes = [node(10, 100), node(70, 100)]  # 10 % and 70 % free
     t = should_trigger_prefill(nodes, 50, has_queued=True)
     assert t.should_trigger and t.max_free_percent == 70
-    assert (t.used, t.total, t.free_percent, t.num_nodes) == (120, 200, 40, 2)  # 100 - int(60.0)
+    assert (t.used_pages, t.total_pages, t.free_percent, t.num_nodes) == (
+        120,
+        200,
+        40,
+        2,
+    )  # 100 - int(60.0)
     assert not should_trigger_prefill(nodes, 50, has_queued=False).should_trigger  # nothing waits
     assert should_trigger_prefill(nodes, 50, has_queued=False, has_evicted=True).should_trigger
     assert not should_trigger_prefill(nodes, 70, has_queued=True).should_trigger  # not above
