@@ -83,12 +83,17 @@ def test_host_lru_and_dropped_counts(kv) -> None:  # type: ignore[no-untyped-def
     r3 = kv.rank(3)  # node 1: its tier is empty so far
     before = host_stats(kv, 1)
     assert before.num_blocks_used == 0
-    # 3 prompts of 20 full blocks each, each pushed out by the next: 60 offloads into 48 slots
+    # 3 prompts of 20 full blocks each, each pushed out by the next: 60 offloads into 48 slots.
+    # Offload batches land in the node's data threads concurrently, so the host's LRU order
+    # is the order batches arrive: each is settled before the next, to make it the order
+    # they were evicted in.
     for i in range(3):
         base = 200_000 + i * 1000
         assert r3.add_sequence(f"f{i}", list(range(base, base + 20 * B + 1)))
+        assert r3.call("settle_offloads", 20.0) == 0
         r3.free_sequence(f"f{i}")
     assert r3.add_sequence("flush", list(range(500_000, 500_000 + 40 * B)))
+    assert r3.call("settle_offloads", 20.0) == 0
     r3.free_sequence("flush")
     wait_until(lambda: host_stats(kv, 1).offloaded_blocks >= 60, timeout_s=60)
     s = host_stats(kv, 1)
@@ -99,6 +104,7 @@ def test_host_lru_and_dropped_counts(kv) -> None:  # type: ignore[no-untyped-def
     # LRU: the oldest prompt (f0) went first; the newest (f2) is still there
     assert r3.add_sequence("again2", list(range(202_000, 202_000 + 20 * B + 1)))
     assert r3.cumulative().total.onboarded_blocks == 20
+    assert r3.call("settle_offloads", 20.0) == 0
     r3.free_sequence("again2")
     assert r3.add_sequence("again0", list(range(200_000, 200_000 + 20 * B + 1)))
     assert r3.cumulative().total.onboarded_blocks == 20  # f0 was dropped: nothing onboarded
