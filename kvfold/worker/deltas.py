@@ -8,7 +8,7 @@ inside `BlockPool.take`), so they are counted exactly once, where they happen.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from kvfold.stats import DELTA_FIELDS, BlockDeltas, IterationStats, Window
 from kvfold.worker.block_pool import BlockPool
@@ -57,10 +57,10 @@ class DeltaLedger:
             self.pending[w] = Counts()
         return IterationStats(out)
 
-    def cumulative(self, windows: Iterable[Window] | None = None) -> IterationStats:
+    def cumulative(self) -> IterationStats:
         """Every delta since the cache was built, committed or pending."""
         out = {}
-        for w in self.pools if windows is None else windows:
+        for w in self.pools:
             evicted = self.pools[w].evicted_total - self._evicted_committed[w]
             pending = self.pending[w].freeze()
             out[w] = self._committed[w] + pending + BlockDeltas(evicted_blocks=evicted)

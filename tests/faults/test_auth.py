@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -55,21 +56,30 @@ def listening(root: psutil.Process) -> list[tuple[str, int, str, bool]]:
     return out
 
 
-def test_embedded_cluster_listens_on_loopback_with_token_auth(tmp_path: Path) -> None:
-    home, stranger_home = tmp_path / "owner", tmp_path / "stranger"
+def start_server(script: str, kvfold_home: Path, fields: int) -> tuple[Any, list[str]]:
+    """Run `script` (an embedded cluster) in its own process, its stderr to a file beside
+    its KVFOLD_HOME; return the process and the fields of the line it prints when up."""
+    log = kvfold_home.parent / f"{kvfold_home.name}.err"
     server = subprocess.Popen(
-        [sys.executable, "-c", SERVER],
+        [sys.executable, "-c", script],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=log.open("w"),
         text=True,
-        env=env(home),
+        env=env(kvfold_home),
     )
+    line = server.stdout.readline().split()  # type: ignore[union-attr]
+    if len(line) != fields:
+        server.stdin.close()  # type: ignore[union-attr]
+        server.wait(timeout=60)
+        pytest.fail(f"the embedded cluster did not start: {log.read_text()[-1500:]}")
+    return server, line
+
+
+def test_embedded_cluster_listens_on_loopback_with_token_auth(tmp_path: Path) -> None:
+    home, stranger_home = tmp_path / "owner", tmp_path / "stranger"
+    server, (address, token_path) = start_server(SERVER, home, 2)
     try:
-        line = server.stdout.readline().split()  # type: ignore[union-attr]
-        if len(line) != 2:
-            pytest.fail("the embedded cluster did not start")
-        address, token_path = line
         assert Path(token_path).is_file() and Path(token_path).stat().st_mode & 0o077 == 0
         sockets = listening(psutil.Process(server.pid))
         assert len(sockets) >= 3  # the GCS, two raylets at least
@@ -120,19 +130,9 @@ c.shutdown()
 
 
 def test_without_token_auth_nothing_listens_beyond_loopback(tmp_path: Path) -> None:
-    log = tmp_path / "server.err"
-    server = subprocess.Popen(
-        [sys.executable, "-c", SERVER_RAY_FIRST],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=log.open("w"),
-        text=True,
-        env=env(tmp_path),
-    )
+    home = tmp_path / "owner"
+    server, line = start_server(SERVER_RAY_FIRST, home, 3)
     try:
-        line = server.stdout.readline().split()  # type: ignore[union-attr]
-        if len(line) != 3:
-            pytest.fail("the embedded cluster did not start")
         assert line[1:] == ["False", "None"]  # no token auth, no token saved
         sockets = listening(psutil.Process(server.pid))
         assert len(sockets) >= 3
@@ -140,4 +140,4 @@ def test_without_token_auth_nothing_listens_beyond_loopback(tmp_path: Path) -> N
     finally:
         server.stdin.close()  # type: ignore[union-attr]
         server.wait(timeout=60)
-    assert "without token auth, bound to 127.0.0.1 only" in log.read_text()
+    assert "without token auth, bound to 127.0.0.1 only" in (tmp_path / "owner.err").read_text()
