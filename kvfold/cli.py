@@ -96,7 +96,8 @@ def _progress_hook(live: Any):  # type: ignore[no-untyped-def]
             f"completed {rec.completed}, "
             f"rejected {rec.rejected}, queued {rec.samples[-1].queued if rec.samples else 0}, "
             f"gpu {100 * t.usage:.1f}% used, host {view.host.num_blocks_used}/"
-            f"{view.host.num_blocks_total}, over-commits {rec.overcommits}"
+            f"{view.host.num_blocks_total}, over-commits {rec.overcommits}, "
+            f"rank refusals {rec.rank_refusals}"
         )
         live.show(view, progress)
 
@@ -192,12 +193,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvfold replay: {e}", file=sys.stderr)
         return 2
+    if args.schedulers < 1:
+        print(f"kvfold replay: --schedulers must be >= 1, got {args.schedulers}", file=sys.stderr)
+        return 2
     cfg = ReplayConfig(
         time_scale=args.time_scale,
         decode_tokens_per_s=args.decode_rate,
         policy=Policy[args.policy.upper()],
+        schedulers=args.schedulers,
+        leases=args.leases,
     )
     stem = f"replay-{Path(args.trace).stem}"
+    if args.schedulers > 1:
+        stem += f"-{args.schedulers}-schedulers" + ("" if args.leases else "-optimistic")
     if args.address is None:
         return _run_embedded(args, workload, stem, cfg)
     from kvfold.aggregator.client import connect
@@ -341,6 +349,19 @@ def _replay_parser(sub: Any) -> None:
         "--policy",
         default="guaranteed_no_evict",
         choices=["guaranteed_no_evict", "max_utilization"],
+    )
+    r.add_argument(
+        "--schedulers",
+        type=int,
+        default=1,
+        help="N schedulers in N processes share the ranks; requests dealt round-robin",
+    )
+    r.add_argument(
+        "--no-leases",
+        dest="leases",
+        action="store_false",
+        help="schedulers promise from a rank's whole room (optimistic; the rank refuses "
+        "collisions) instead of from their lease of it (docs/admission.md)",
     )
     r.add_argument("--limit", type=int, default=None, help="first N requests only")
     r.add_argument("--decode-rate", type=float, default=40.0, help="tokens/s per sequence")

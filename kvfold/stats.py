@@ -58,12 +58,20 @@ class BlockGauges:
 
     used: reference count > 0. cached: reference 0, key held, evictable.
     free = total - used: free for allocation, cached blocks included.
+    committed: used plus the blocks the sequences may still need to reach their
+    declared lengths (kvfold.worker.commitments); room = total - committed.
     """
 
     num_blocks_total: int = 0
     num_blocks_used: int = 0
     num_blocks_cached: int = 0
     tokens_per_block: int = 0  # 0 when summed over pools of different sizes
+    num_blocks_committed: int = 0
+
+    @property
+    def num_blocks_room(self) -> int:
+        """Blocks no sequence holds or may still need: total - max(committed, used)."""
+        return self.num_blocks_total - max(self.num_blocks_committed, self.num_blocks_used)
 
     @property
     def num_blocks_free(self) -> int:
@@ -137,17 +145,23 @@ def sum_gauges(items: Iterable[Mapping[Window, BlockGauges]]) -> dict[Window, Bl
         for w, g in m.items():
             a = acc.get(w)
             if a is None:
-                acc[w] = [g.num_blocks_total, g.num_blocks_used, g.num_blocks_cached]
+                acc[w] = [
+                    g.num_blocks_total,
+                    g.num_blocks_used,
+                    g.num_blocks_cached,
+                    g.num_blocks_committed,
+                ]
                 tpbs[w] = {g.tokens_per_block}
             else:
                 a[0] += g.num_blocks_total
                 a[1] += g.num_blocks_used
                 a[2] += g.num_blocks_cached
+                a[3] += g.num_blocks_committed
                 tpbs[w].add(g.tokens_per_block)
     out = {}
     for w, a in acc.items():
         t = tpbs[w] - {0} if len(tpbs[w]) > 1 else tpbs[w]
-        out[w] = BlockGauges(a[0], a[1], a[2], next(iter(t)) if len(t) == 1 else 0)
+        out[w] = BlockGauges(a[0], a[1], a[2], next(iter(t)) if len(t) == 1 else 0, a[3])
     return out
 
 
@@ -285,9 +299,10 @@ class RankReport:
     """What one rank sends its node, once per report interval (decoded and validated).
 
     `gpu` is None while the rank's KV cache is not bound (counted 0 free, 0 total).
-    `deltas` are the counts since the rank's previous report. `added_seq_ids`
-    names the sequences added since the previous report, so that schedulers can
-    release the reservations those sequences now account for.
+    `deltas` are the counts since the rank's previous report. `tickets`: per admission
+    controller id, the highest ticket this incarnation has taken in (placed or
+    refused), so a controller releases exactly the reservations the gauges now hold.
+    `num_refused`: placements refused because they would over-commit (cumulative).
     """
 
     rank: int
@@ -296,7 +311,8 @@ class RankReport:
     gpu: Mapping[Window, BlockGauges] | None
     deltas: Mapping[Window, BlockDeltas]
     num_sequences_by_status: Mapping[SequenceStatus, int]
-    added_seq_ids: tuple[str | int, ...] = ()
+    tickets: Mapping[str, int] = field(default_factory=dict)
+    num_refused: int = 0
 
     @property
     def gpu_total(self) -> BlockGauges:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfold.stats import (
     BlockDeltas,
@@ -46,8 +46,9 @@ class RankSummary:
     gpu: Mapping[Window, BlockGauges] | None = None
     num_valid_sequences: int = 0
     age_s: float = 0.0
-    added_seq_ids: tuple[str | int, ...] = ()
+    tickets: Mapping[str, int] = field(default_factory=dict)  # controller -> highest taken in
     report_seq: int = 0
+    num_refused: int = 0  # placements it refused as over-commits (this incarnation)
 
     @property
     def num_blocks_free(self) -> int:

@@ -8,6 +8,7 @@ from kvfold.admission.policy import (
     Outcome,
     Policy,
     blocks_needed,
+    new_controller_id,
 )
 from kvfold.admission.queue import FifoAdmissionQueue
 
@@ -20,4 +21,5 @@ __all__ = [
     "Outcome",
     "Policy",
     "blocks_needed",
+    "new_controller_id",
 ]

@@ -1,12 +1,15 @@
 """AdmissionController: what a scheduler embeds. Thread-safe; views from any source.
 
     controller = AdmissionController(client)          # anything with .view(), or a callable
-    decision = controller.decide(AdmissionRequest("r1", prompt_tokens=900, max_new_tokens=128))
-    ... when the request finishes: controller.release("r1")
+    d = controller.decide(AdmissionRequest("r1", prompt_tokens=900, max_new_tokens=128))
+    if d.outcome is Outcome.ADMIT:                    # place it on d.rank, with what it promised
+        rank.add_sequence("r1", prompt, max_new_tokens=128, policy=d.policy, ticket=d.ticket)
+    ... if it is never placed (cancelled, refused): controller.release("r1")
 
 Views are refreshed at most every `refresh_interval_s` (a decision never waits
-on the network otherwise). A view source that fails makes decisions QUEUE with
-reason `no_fresh_view`. Decisions are counted by outcome and reason.
+on the network otherwise). A view source that fails in any way, or answers with
+something that is not a ClusterView, makes decisions QUEUE with reason
+`no_fresh_view`. Decisions are counted by outcome and reason.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from kvfold.admission.policy import (
     Outcome,
     Policy,
 )
-from kvfold.errors import KVFoldError
 from kvfold.view import ClusterView
 
 
@@ -38,7 +40,12 @@ class AdmissionController:
         reservation_ttl_s: float = 30.0,
         refresh_interval_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        controller_id: str | None = None,
+        num_controllers: int = 1,
     ) -> None:
+        """`controller_id`: unique per controller and start (generated when None);
+        `num_controllers`: how many controllers, this one included, admit into the same
+        ranks (each promises from its lease of every rank's room; docs/admission.md)."""
         if callable(view_source):
             self._fetch: Callable[[], ClusterView] = view_source
         elif hasattr(view_source, "view"):
@@ -47,13 +54,21 @@ class AdmissionController:
             raise TypeError(
                 f"view_source must have .view() or be callable, got {type(view_source).__name__}"
             )
-        self.policy = AdmissionPolicy(policy, watermark_blocks, reservation_ttl_s, no_fresh)
+        self.policy = AdmissionPolicy(
+            policy,
+            watermark_blocks,
+            reservation_ttl_s,
+            no_fresh,
+            controller_id=controller_id,
+            num_controllers=num_controllers,
+        )
+        self.controller_id = self.policy.controller_id
         self.refresh_interval_s = refresh_interval_s
         self.clock = clock
         self.lock = threading.Lock()
         self.decisions: Counter[tuple[str, str]] = Counter()
         self._last_refresh_s = float("-inf")
-        self._view_error: str | None = None
+        self.view_error: str | None = None  # why the last fetch failed; None: it did not
 
     def refresh(self, force: bool = False) -> None:
         """Fetch a view now (or if the last one is older than refresh_interval_s)."""
@@ -63,10 +78,12 @@ class AdmissionController:
         self._last_refresh_s = now
         try:
             view = self._fetch()
-        except KVFoldError as e:
-            self._view_error = str(e)
+            if not isinstance(view, ClusterView):
+                raise TypeError(f"the view source gave a {type(view).__name__}, not a ClusterView")
+        except Exception as e:  # any failure of the source: no fresh view, never a guess
+            self.view_error = f"{type(e).__name__}: {e}"[:300]
             return
-        self._view_error = None
+        self.view_error = None
         self.load_view(view)
 
     def load_view(self, view: ClusterView) -> None:
@@ -76,7 +93,7 @@ class AdmissionController:
     def decide(self, request: AdmissionRequest) -> Decision:
         self.refresh()
         with self.lock:
-            if self._view_error is not None:
+            if self.view_error is not None:
                 version = self.policy.index.version if self.policy.index else 0
                 d = Decision(Outcome.QUEUE, "no_fresh_view", version)
             else:

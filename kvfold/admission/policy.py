@@ -1,29 +1,42 @@
-"""Admission as a pure function of (view, reservations, request, now_s). No Ray.
+"""Admission as a pure function of (view, this controller's unseen promises, request,
+now_s). No Ray. DESIGN §6; docs/admission.md says what is promised.
 
-Blocks needed per window (B tokens per block, F tokens to hold):
+Blocks needed per window (B tokens per block, F the declared end):
+
+    GUARANTEED_NO_EVICT: F = prompt + max_new_tokens (it runs to the end without eviction)
+    MAX_UTILIZATION:     F = prompt + min(max_new_tokens, B)  (the prompt and one block)
 
     full attention:  ceil(F / B)
-    window W:        min(ceil(F / B), ceil(W / B) + 1)
+    window W:        the most blocks the window holds at once from the prompt to F,
+                     at most min(ceil(F / B), ceil(W / B) + 1) (kvfold.worker.windows)
 
-    GUARANTEED_NO_EVICT: F = prompt + max_new_tokens (the request can finish without eviction)
-    MAX_UTILIZATION:     F = prompt + B             (the prompt and one block of growth)
+A rank's room in window w is what its last report left uncommitted, less what this
+controller promised it since:
 
-Only fresh ranks of fresh nodes are candidates. A rank's room in window w is
-    free[w] - reserved[w] - watermark_blocks
-where `reserved` holds blocks promised since the rank's reports last accounted
-for them. Every window must fit on the same rank.
+    room = total - committed - watermark_blocks - reserved
+
+`committed` is the rank's own count (held blocks plus what its sequences may still
+need, kvfold.worker.commitments); `reserved` holds only the admissions whose ticket
+the rank has not shown yet (kvfold.worker.tickets): a reservation is released the
+moment a view shows its ticket. With `num_controllers` controllers admitting into
+the same ranks, each promises only from its lease, room // num_controllers; a
+request larger than any lease may take a whole rank's room where this controller
+has nothing unseen (the rank's own check refuses a collision).
 
 Outcomes, checked in this order:
     QUEUE  no_fresh_capacity        no fresh rank at all (never an admit onto stale numbers)
     REJECT exceeds_rank_capacity    no fresh rank could hold it empty (total - watermark_blocks)
-    ADMIT  fits                     the rank with the longest known prefix, then the most room
+    ADMIT  fits | fits_prefix       the rank with the longest known prefix, then the most room
     QUEUE  insufficient_free_blocks fits a rank's total, not its room now
 """
 
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+import os
+import secrets
+import socket
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,14 +46,21 @@ import numpy.typing as npt
 from kvfold.checks import check_int, check_positive
 from kvfold.stats import Window, window_sort_key
 from kvfold.view import ClusterView, SourceState
+from kvfold.worker.commitments import Policy, declared_end
+from kvfold.worker.tickets import MAX_CONTROLLER_ID_CHARS, Ticket, check_controller_id
 from kvfold.worker.windows import window_manager
 
 IntArray = npt.NDArray[np.int64]
 
-
-class Policy(enum.Enum):
-    GUARANTEED_NO_EVICT = "guaranteed_no_evict"
-    MAX_UTILIZATION = "max_utilization"
+__all__ = [
+    "AdmissionPolicy",
+    "AdmissionRequest",
+    "Decision",
+    "Outcome",
+    "Policy",
+    "blocks_needed",
+    "new_controller_id",
+]
 
 
 class Outcome(enum.Enum):
@@ -67,12 +87,17 @@ class AdmissionRequest:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """What to do with a request, why, and on which view. An ADMIT names the rank and
+    carries what the scheduler passes to it with the request: the policy and the ticket."""
+
     outcome: Outcome
     reason: str
     view_version: int
     node: int | None = None
     rank: int | None = None
     blocks: dict[Window, int] = field(default_factory=dict)
+    ticket: Ticket | None = None
+    policy: Policy | None = None
 
 
 def blocks_needed(
@@ -82,66 +107,72 @@ def blocks_needed(
     tokens_per_block: int,
     policy: Policy,
 ) -> dict[Window, int]:
-    """The most blocks each window group holds while the request runs (kvfold.worker.windows):
-    to its declared length under GUARANTEED_NO_EVICT, the prompt plus one block else."""
-    B = tokens_per_block
-    F = prompt_tokens + (max_new_tokens if policy is Policy.GUARANTEED_NO_EVICT else B)
-    return {w: window_manager(w, B).max_blocks(F) for w in windows}
+    """The most blocks each window group holds at once while the request grows from its
+    prompt to its declared end (what the rank will count as its commitment)."""
+    end = declared_end(prompt_tokens, max_new_tokens, policy, tokens_per_block)
+    return {w: window_manager(w, tokens_per_block).peak_blocks(prompt_tokens, end) for w in windows}
+
+
+def new_controller_id(name: str = "") -> str:
+    """A controller id unique to this process and start: a restarted controller never
+    reuses the ticket numbers its predecessor handed out."""
+    base = name or f"{socket.gethostname()[:24]}-{os.getpid()}"
+    return f"{base[: MAX_CONTROLLER_ID_CHARS - 9]}-{secrets.token_hex(4)}"
 
 
 @dataclass(slots=True)
 class Reservation:
-    """Blocks promised to `rank` for a request. Until the rank's reports name the
-    request, all of `blocks`; after, only the growth its prompt does not cover
-    yet (`residual`), held until release() or the residual TTL."""
+    """Blocks promised to `rank` for a request the rank has not shown yet."""
 
     request_id: str
     rank: int
+    ticket: int
     blocks: dict[Window, int]
     made_at_s: float
-    prompt_blocks: dict[Window, int] = field(default_factory=dict)
-    accounted: bool = False
+    live: bool = True  # False once released or settled (left in its rank's queue)
 
 
 class CapacityIndex:
     """Per-rank capacity of one view as arrays, so a decision is a few vector ops."""
 
-    def __init__(self, view: ClusterView) -> None:
+    def __init__(self, view: ClusterView, controller_id: str) -> None:
         self.version = view.version
-        self.world_size = view.world_size
+        self.world_size = n = view.world_size
         self.rank_to_node = np.asarray(view.rank_to_node, dtype=np.int64)
+        fresh_ranks = [
+            r for node in view.fresh_nodes for r in node.ranks if r.state is SourceState.FRESH
+        ]
         windows: set[Window] = set()
         tpb = 0
-        for n in view.fresh_nodes:
-            for r in n.ranks:
-                if r.state is SourceState.FRESH and r.gpu:
-                    windows.update(r.gpu)
-                    tpb = tpb or next(iter(r.gpu.values())).tokens_per_block
+        for r in fresh_ranks:
+            if r.gpu:
+                windows.update(r.gpu)
+                tpb = tpb or next(iter(r.gpu.values())).tokens_per_block
         self.windows: tuple[Window, ...] = tuple(sorted(windows, key=window_sort_key))
+        self.col = {w: i for i, w in enumerate(self.windows)}
         self.tokens_per_block = tpb
         k = len(self.windows)
-        self.free: IntArray = np.zeros((k, self.world_size), dtype=np.int64)
-        self.total: IntArray = np.zeros((k, self.world_size), dtype=np.int64)
-        self.fresh = np.zeros(self.world_size, dtype=bool)
-        col = {w: i for i, w in enumerate(self.windows)}
-        for n in view.fresh_nodes:
-            for r in n.ranks:
-                if r.state is not SourceState.FRESH:
-                    continue
-                self.fresh[r.rank] = True
-                for w, g in (r.gpu or {}).items():
-                    self.free[col[w], r.rank] = g.num_blocks_free
-                    self.total[col[w], r.rank] = g.num_blocks_total
-        self.added: dict[int, frozenset[str | int]] = {
-            r.rank: frozenset(r.added_seq_ids)
-            for n in view.nodes
-            for r in n.ranks
-            if r.added_seq_ids
-        }
+        self.room: IntArray = np.zeros((k, n), dtype=np.int64)  # total - committed
+        self.total: IntArray = np.zeros((k, n), dtype=np.int64)
+        self.fresh = np.zeros(n, dtype=bool)
+        for r in fresh_ranks:
+            self.fresh[r.rank] = True
+            for w, g in (r.gpu or {}).items():
+                i = self.col[w]
+                self.room[i, r.rank] = g.num_blocks_room
+                self.total[i, r.rank] = g.num_blocks_total
+        # the highest ticket of this controller each rank has shown, whatever its state
+        self.seen: dict[int, int] = {}
+        for node in view.nodes:
+            for r in node.ranks:
+                t = r.tickets.get(controller_id)
+                if t:
+                    self.seen[r.rank] = t
 
 
 class AdmissionPolicy:
-    """Reservations and decisions. Not thread-safe: AdmissionController adds the lock."""
+    """Reservations and decisions for one controller. Not thread-safe:
+    AdmissionController adds the lock."""
 
     def __init__(
         self,
@@ -149,22 +180,29 @@ class AdmissionPolicy:
         watermark_blocks: int = 0,
         reservation_ttl_s: float = 30.0,
         no_fresh: Outcome = Outcome.QUEUE,
+        controller_id: str | None = None,
+        num_controllers: int = 1,
         affinity_keys: int = 200_000,
-        residual_ttl_s: float = 3600.0,
     ) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {policy!r}")
         check_int("watermark_blocks", watermark_blocks, 0)
         check_positive("reservation_ttl_s", reservation_ttl_s)
+        check_int("num_controllers", num_controllers, 1)
         if no_fresh not in (Outcome.QUEUE, Outcome.REJECT):
             raise ValueError(f"no_fresh must be QUEUE or REJECT, got {no_fresh!r}")
         self.capacity_policy = policy
         self.watermark_blocks = watermark_blocks
         self.ttl_s = reservation_ttl_s
-        self.residual_ttl_s = residual_ttl_s
         self.no_fresh = no_fresh
+        self.controller_id = check_controller_id(controller_id or new_controller_id())
+        self.num_controllers = num_controllers
         self.index: CapacityIndex | None = None
-        self.reservations: dict[str, Reservation] = {}
+        self.reservations: dict[str, Reservation] = {}  # unseen, in ticket order
+        self.by_rank: dict[int, deque[Reservation]] = {}  # unseen per rank, in ticket order
+        self.last_ticket = 0
+        self.settled = 0  # reservations released because a view showed their ticket
+        self.expired = 0  # reservations released by their TTL
         self.reserved: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._room: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._capacity: IntArray = np.zeros((0, 0), dtype=np.int64)
@@ -174,62 +212,88 @@ class AdmissionPolicy:
     # ---------------------------------------------------------------- views
 
     def load_view(self, view: ClusterView, now_s: float) -> None:
-        """Take a newer view; release reservations its reports account for, and expired ones."""
+        """Take a newer view: release the reservations whose ticket it shows, and the
+        expired ones; an older or equal version changes nothing but expiry."""
         if self.index is not None and view.version <= self.index.version:
             self.expire(now_s)
             return
         old = self.index
-        self.index = idx = CapacityIndex(view)
+        idx = CapacityIndex(view, self.controller_id)
+        self._settle(idx.seen)  # against the arrays of the view in use until now
+        self.index = idx
         # fresh ranks' capacity less the watermark; -1 for ranks that are not candidates
         self._capacity = np.where(idx.fresh, idx.total - self.watermark_blocks, -1)
         if old is None or old.windows != idx.windows or old.world_size != idx.world_size:
-            self.reserved = np.zeros_like(idx.free)
-            self._room = idx.free - self.watermark_blocks
+            self.reserved = np.zeros_like(idx.room)
             for res in self.reservations.values():
                 self._add(res, +1)
-        else:
-            self._room = idx.free - self.reserved - self.watermark_blocks
-        for res in list(self.reservations.values()):
-            if not res.accounted and res.request_id in self.index.added.get(res.rank, ()):
-                # the view now counts the prompt's blocks; keep only the growth still to come
-                self._add(res, -1)
-                res.blocks = {w: n - res.prompt_blocks.get(w, 0) for w, n in res.blocks.items()}
-                res.accounted = True
-                self._add(res, +1)
+        self._room = self._lease(idx) - self.reserved
         self.expire(now_s)
 
+    def _lease(self, idx: CapacityIndex) -> IntArray:
+        """What this controller may promise per window and rank, before its own
+        reservations: the rank's room less the watermark, split among the controllers."""
+        room = idx.room - self.watermark_blocks
+        return room if self.num_controllers == 1 else room // self.num_controllers
+
+    def _settle(self, seen: dict[int, int]) -> None:
+        """Release every reservation at or below the ticket its rank has shown."""
+        col = self.index.col if self.index is not None else {}
+        reserved = self.reserved
+        for rank, queue in self.by_rank.items():
+            top = seen.get(rank, 0)
+            while queue and queue[0].ticket <= top:
+                res = queue.popleft()
+                if not res.live:
+                    continue
+                res.live = False
+                del self.reservations[res.request_id]
+                self.settled += 1
+                if reserved.size:
+                    for w, n in res.blocks.items():
+                        i = col.get(w)
+                        if i is not None:
+                            reserved[i, rank] -= n
+
     def expire(self, now_s: float) -> None:
-        """Drop reservations past their TTL: never accounted for within `ttl_s`, or
-        accounted but never released within `residual_ttl_s`."""
-        for rid, r in list(self.reservations.items()):
-            ttl = self.residual_ttl_s if r.accounted else self.ttl_s
-            if now_s - r.made_at_s >= ttl:
-                self._drop(rid)
+        """Drop reservations not shown by their rank within `ttl_s` (the request never
+        reached it: it holds nothing there)."""
+        while self.reservations:
+            res = next(iter(self.reservations.values()))
+            if now_s - res.made_at_s < self.ttl_s:
+                break
+            self._drop(res)
+            self.expired += 1
 
     def _add(self, res: Reservation, sign: int) -> None:
-        assert self.index is not None
+        idx = self.index
+        assert idx is not None
         for w, n in res.blocks.items():
-            if w in self.index.windows:
-                i = self.index.windows.index(w)
+            i = idx.col.get(w)
+            if i is not None:
                 self.reserved[i, res.rank] += sign * n
                 self._room[i, res.rank] -= sign * n
 
-    def _drop(self, request_id: str) -> None:
-        res = self.reservations.pop(request_id)
+    def _drop(self, res: Reservation) -> None:
+        del self.reservations[res.request_id]
+        res.live = False
         self._add(res, -1)
 
     def release(self, request_id: str) -> bool:
-        """The request is done (or was never started): free what was promised for it."""
-        if request_id not in self.reservations:
+        """Forget the promise for a request that will not reach its rank (cancelled,
+        refused). True if one was held; once the rank has shown its ticket the rank
+        counts the request itself, and this returns False."""
+        res = self.reservations.get(request_id)
+        if res is None:
             return False
-        self._drop(request_id)
+        self._drop(res)
         return True
 
     # ---------------------------------------------------------------- decisions
 
     def room(self) -> IntArray:
-        """Blocks that could still be promised, per window and rank (negative: none).
-        Kept up to date as reservations change: free - reserved - watermark."""
+        """Blocks this controller could still promise, per window and rank (negative:
+        none). Kept up to date as reservations change."""
         return self._room
 
     def decide(self, request: AdmissionRequest, now_s: float) -> Decision:
@@ -238,7 +302,10 @@ class AdmissionPolicy:
         if idx is None or not idx.fresh.any() or not idx.windows:
             return Decision(self.no_fresh, "no_fresh_capacity", version)
         if request.request_id in self.reservations:
-            raise ValueError(f"request_id {request.request_id!r} already holds a reservation")
+            raise ValueError(
+                f"request_id {request.request_id!r} is admitted and not yet placed; "
+                "release() it before deciding it again"
+            )
         need = blocks_needed(
             request.prompt_tokens,
             request.max_new_tokens,
@@ -252,19 +319,36 @@ class AdmissionPolicy:
             return Decision(Outcome.REJECT, "exceeds_rank_capacity", version, blocks=need)
         room = self._room
         fits: npt.NDArray[np.bool_] = could & np.all(room >= need_col, axis=0)
+        if not fits.any() and self.num_controllers > 1:
+            room = self._whole_room_where_no_lease_fits(idx, need_col)
+            fits = could & np.all(room >= need_col, axis=0)
         if not fits.any():
             return Decision(Outcome.QUEUE, "insufficient_free_blocks", version, blocks=need)
         rank, by_prefix = self._choose(request, fits, room)
-        prompt = blocks_needed(
-            request.prompt_tokens, 0, idx.windows, idx.tokens_per_block, Policy.GUARANTEED_NO_EVICT
-        )
-        res = Reservation(request.request_id, rank, need, now_s, prompt)
+        self.last_ticket += 1
+        res = Reservation(request.request_id, rank, self.last_ticket, need, now_s)
         self.reservations[request.request_id] = res
+        self.by_rank.setdefault(rank, deque()).append(res)
         self._add(res, +1)
         self._remember(request.prefix_keys, rank)
-        node = int(idx.rank_to_node[rank])
-        reason = "fits_prefix" if by_prefix else "fits"
-        return Decision(Outcome.ADMIT, reason, version, node=node, rank=rank, blocks=need)
+        return Decision(
+            Outcome.ADMIT,
+            "fits_prefix" if by_prefix else "fits",
+            version,
+            node=int(idx.rank_to_node[rank]),
+            rank=rank,
+            blocks=need,
+            ticket=Ticket(self.controller_id, self.last_ticket),
+            policy=self.capacity_policy,
+        )
+
+    def _whole_room_where_no_lease_fits(self, idx: CapacityIndex, need_col: IntArray) -> IntArray:
+        """For a request larger than a lease: a rank's whole room, on ranks where it is
+        larger than the lease and this controller has nothing unseen (-1 elsewhere)."""
+        whole = idx.room - self.watermark_blocks
+        larger = np.any(self._lease(idx) < need_col, axis=0)
+        mine = np.any(self.reserved != 0, axis=0)
+        return np.where(larger & ~mine, whole, -1)
 
     def _choose(
         self, request: AdmissionRequest, fits: npt.NDArray[np.bool_], room: IntArray
@@ -292,5 +376,6 @@ class AdmissionPolicy:
             table.popitem(last=False)
 
     def promised(self, rank: int) -> dict[Window, int]:
+        """Blocks this controller has promised `rank` that the rank has not shown yet."""
         assert self.index is not None
         return {w: int(self.reserved[i, rank]) for i, w in enumerate(self.index.windows)}

@@ -34,15 +34,13 @@ class RankRecord:
     """What a node knows of one rank: its latest report and the receiver's verdicts.
 
     state: None means FRESH with a report, MISSING without. counters: the rank's
-    cumulative deltas as kept by the receiver (None: the report's). added_seq_ids: the
-    ids the rank added recently, as kept by the receiver (None: the report's).
+    cumulative deltas as kept by the receiver (None: the report's).
     """
 
     report: RankReport | None
     state: SourceState | None = None
     counters: IterationStats | None = None
     age_s: float = 0.0
-    added_seq_ids: tuple[str | int, ...] | None = None
 
     def effective_state(self) -> SourceState:
         """A rank without a report is never FRESH: nothing of it may count as zero capacity."""
@@ -56,7 +54,6 @@ class RankRecord:
         rep, state = self.report, self.effective_state()
         if rep is None:
             return RankSummary(rank, state, age_s=self.age_s)
-        ids = rep.added_seq_ids if self.added_seq_ids is None else self.added_seq_ids
         return RankSummary(
             rank=rank,
             state=state,
@@ -64,8 +61,9 @@ class RankRecord:
             gpu=rep.gpu,
             num_valid_sequences=num_valid(rep.num_sequences_by_status),
             age_s=self.age_s,
-            added_seq_ids=ids,
+            tickets=rep.tickets,
             report_seq=rep.seq,
+            num_refused=rep.num_refused,
         )
 
 
@@ -85,8 +83,9 @@ def _rank_of(
             record.gpu,
             num_valid(record.num_sequences_by_status),
             0.0,
-            record.added_seq_ids,
+            record.tickets,
             record.seq,
+            record.num_refused,
         )
         return record, summary, record.deltas
     if not isinstance(record, RankRecord):

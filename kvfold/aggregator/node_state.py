@@ -10,7 +10,6 @@ backwards when a rank restarts.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Collection
 
 from kvfold.aggregator.fold import RankRecord, fold_node
@@ -20,9 +19,6 @@ from kvfold.codec import decode_rank_report
 from kvfold.stats import HostStats, IterationStats, RankReport, Window, sum_deltas
 from kvfold.topology import Topology
 from kvfold.view import NodeUtilization, SourceState
-
-RECENT_IDS = 256  # recently added sequence ids kept per rank, at most
-RECENT_IDS_S = 2.0  # and for at most this long
 
 
 class NodeState(ReportReceiver[RankReport]):
@@ -40,10 +36,6 @@ class NodeState(ReportReceiver[RankReport]):
         self.node = node
         self.windows = None if windows is None else frozenset(windows)
         self.latest: dict[int, RankReport] = {}
-        # sequence ids each rank added in the last RECENT_IDS_S, across reports: a scheduler that
-        # reads the view less often than ranks report still sees the ids that settle its
-        # reservations (bounded in time and count, so memory stays flat)
-        self.recent_added: dict[int, deque[tuple[float, str | int]]] = {}
         self.counters: dict[int, IterationStats] = {}
 
     def _decode(self, data: bytes) -> RankReport:
@@ -55,9 +47,6 @@ class NodeState(ReportReceiver[RankReport]):
     def _fold(self, report: RankReport, verdict: Verdict, now_s: float) -> str:
         if verdict.current:
             self.latest[report.rank] = report
-        if report.added_seq_ids:
-            recent = self.recent_added.setdefault(report.rank, deque(maxlen=RECENT_IDS))
-            recent.extend((now_s, sid) for sid in report.added_seq_ids)
         old = self.counters.get(report.rank)
         self.counters[report.rank] = IterationStats(
             sum_deltas([old.windows, report.deltas]) if old else dict(report.deltas)
@@ -68,23 +57,14 @@ class NodeState(ReportReceiver[RankReport]):
         return {r: self.freshness.state(r, now_s) for r in self.topology.ranks_on(self.node)}
 
     def fold(self, now_s: float, host: HostStats | None) -> NodeUtilization:
-        states, recent = self.rank_states(now_s), self._recent_ids(now_s)
+        states = self.rank_states(now_s)
         records = {
             r: RankRecord(
                 self.latest.get(r),
                 states[r],
                 self.counters.get(r),
                 self.freshness.age_s(r, now_s),
-                recent.get(r),
             )
             for r in self.topology.ranks_on(self.node)
         }
         return fold_node(self.topology, self.node, records, host)
-
-    def _recent_ids(self, now_s: float) -> dict[int, tuple[str | int, ...]]:
-        out = {}
-        for rank, recent in self.recent_added.items():
-            while recent and recent[0][0] < now_s - RECENT_IDS_S:
-                recent.popleft()
-            out[rank] = tuple(sid for _, sid in recent)
-        return out

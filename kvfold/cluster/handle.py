@@ -24,7 +24,9 @@ from kvfold.ray_actor import named_actor
 from kvfold.stats import IterationStats, KVStats, SequenceStatus, Window
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
+from kvfold.worker.commitments import Policy
 from kvfold.worker.engine import StepResult
+from kvfold.worker.tickets import Ticket
 
 CALL_TIMEOUT_S = 30.0
 
@@ -53,8 +55,26 @@ class RankClient:
         token_ids: Sequence[int] | np.ndarray,
         salt: str | None = None,
         report: bool = False,
+        *,
+        max_new_tokens: int = 0,
+        policy: Policy | str = Policy.GUARANTEED_NO_EVICT,
+        ticket: Ticket | None = None,
     ) -> bool:
-        return bool(self.call("add_sequence", seq_id, token_ids, salt, report))
+        """Place a request (kvfold.worker.rank_actor.RankWorker.add_sequence): pass the
+        tokens it may generate and its admission's policy and ticket. False: the rank
+        refused it (it would over-commit); nothing changed."""
+        return bool(
+            self.call(
+                "add_sequence",
+                seq_id,
+                token_ids,
+                salt,
+                report,
+                max_new_tokens=max_new_tokens,
+                policy=policy,
+                ticket=ticket,
+            )
+        )
 
     def append_tokens(
         self, seq_id: str | int, token_ids: Sequence[int], report: bool = False
@@ -88,7 +108,7 @@ class RankClient:
         k, v = self.call("gather_kv", seq_id, layer)
         return k, v
 
-    def engine_step(self, admits: list[tuple[Any, np.ndarray, int, str | None]]) -> StepResult:
+    def engine_step(self, admits: list[tuple[Any, ...]]) -> StepResult:
         result: StepResult = self.call("engine_step", admits)
         return result
 

@@ -9,7 +9,6 @@ bytes; a refused report changes nothing. No pickle anywhere on this path.
 """
 
 from kvfold.codec.fields import (
-    MAX_ADDED_IDS,
     MAX_REPORT_BYTES,
     REASONS,
     SCHEMA_VERSION,
@@ -18,7 +17,6 @@ from kvfold.codec.node import NodeReport, decode_node_report, encode_node_report
 from kvfold.codec.rank import decode_rank_report, encode_rank_report
 
 __all__ = [
-    "MAX_ADDED_IDS",
     "MAX_REPORT_BYTES",
     "REASONS",
     "SCHEMA_VERSION",

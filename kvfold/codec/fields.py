@@ -21,12 +21,11 @@ from kvfold.stats import (
     Window,
 )
 from kvfold.view import SourceState
+from kvfold.worker.tickets import MAX_CONTROLLER_ID_CHARS, MAX_CONTROLLERS
 
-SCHEMA_VERSION = 2  # 2: alloc_total_blocks travels; alloc_new means TensorRT-LLM's
+SCHEMA_VERSION = 3  # 3: committed blocks and admission tickets travel; 2: alloc_total_blocks
 MAX_REPORT_BYTES = 64 * 1024
 MAX_WINDOWS = 16
-MAX_ADDED_IDS = 256
-MAX_SEQ_ID_CHARS = 128
 MAX_RANKS_PER_NODE = 1024
 MAX_REASONS = 64
 MAX_COUNT = 2**53  # counts and bytes: exact in a float64 exporter
@@ -133,12 +132,14 @@ def per_window(
 
 
 def _make_gauges(v: list[int]) -> BlockGauges:
-    total, used, cached, tpb = v
+    total, used, cached, tpb, committed = v
     if used > total:
         raise fail("used_exceeds_total", f"used {used} > total {total}")
     if used + cached > total:
         raise fail("used_exceeds_total", f"used {used} + cached {cached} > total {total}")
-    return BlockGauges(total, used, cached, tpb)
+    if committed > total:
+        raise fail("used_exceeds_total", f"committed {committed} > total {total}")
+    return BlockGauges(total, used, cached, tpb, committed)
 
 
 def gauges_field(
@@ -181,22 +182,26 @@ def status_field(value: Any) -> dict[SequenceStatus, int]:
     return dict(zip(_STATUSES, counts, strict=True))
 
 
-def seq_ids_field(value: Any, name: str) -> tuple[str | int, ...]:
-    ids = list_field(value, name, MAX_ADDED_IDS)
-    if set(map(type, ids)) <= {str} and (not ids or max(map(len, ids)) <= MAX_SEQ_ID_CHARS):
-        return tuple(ids)
-    out: list[str | int] = []
-    for i, x in enumerate(list_field(value, name, MAX_ADDED_IDS)):
-        if type(x) is str:
-            if len(x) > MAX_SEQ_ID_CHARS:
-                raise fail("bad_field", f"{name}[{i}] is longer than {MAX_SEQ_ID_CHARS} chars")
-        elif type(x) is int:
-            if not -MAX_ID <= x <= MAX_ID:
-                raise fail("bad_field", f"{name}[{i}] is out of range")
-        else:
-            raise fail("bad_field", f"{name}[{i}] must be a str or int, got {type(x).__name__}")
-        out.append(x)
-    return tuple(out)
+def ticket_rows(tickets: Mapping[str, int]) -> list[list[Any]]:
+    return [[c, n] for c, n in tickets.items()]
+
+
+def tickets_field(value: Any, name: str) -> dict[str, int]:
+    """Per controller id, the highest ticket taken in (kvfold.worker.tickets)."""
+    out: dict[str, int] = {}
+    for i, row in enumerate(list_field(value, name, MAX_CONTROLLERS)):
+        if not (type(row) is list and len(row) == 2):
+            raise fail("bad_field", f"{name}[{i}] must be [controller id, ticket]")
+        cid, number = row
+        if type(cid) is not str or not 0 < len(cid) <= MAX_CONTROLLER_ID_CHARS:
+            raise fail(
+                "bad_field",
+                f"{name}[{i}] controller id must be a str of 1-{MAX_CONTROLLER_ID_CHARS} chars",
+            )
+        if cid in out:
+            raise fail("bad_field", f"{name} lists controller {cid!r} twice")
+        out[cid] = int_field(number, f"{name}[{i}] ticket", MAX_ID)
+    return out
 
 
 def unpack(data: Any, kind: str, keys: frozenset[str]) -> dict[str, Any]:

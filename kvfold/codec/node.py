@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfold.codec.fields import (
-    MAX_ADDED_IDS,
     MAX_ID,
     MAX_RANKS_PER_NODE,
     MAX_REASONS,
@@ -24,14 +23,16 @@ from kvfold.codec.fields import (
     int_field,
     list_field,
     pack,
-    seq_ids_field,
     status_field,
     status_row,
+    ticket_rows,
+    tickets_field,
     unpack,
 )
 from kvfold.stats import HOST_FIELDS, HostStats, IterationStats, Window
 from kvfold.topology import Topology
 from kvfold.view import NodeUtilization, RankSummary
+from kvfold.worker.tickets import MAX_CONTROLLERS
 
 _NODE_KEYS = frozenset({"v", "t", "n", "i", "s", "ranks", "g", "q", "d", "c", "h", "x"})
 
@@ -51,23 +52,24 @@ def encode_node_report(
     util: NodeUtilization,
     incarnation: int,
     seq: int,
-    max_ids_per_rank: int = MAX_ADDED_IDS,
+    max_tickets_per_rank: int = MAX_CONTROLLERS,
     refused: Mapping[str, int] | None = None,
 ) -> bytes:
-    """A node report within MAX_REPORT_BYTES: each rank's recently added ids are kept
-    newest first, as many as fit (halved until the report fits)."""
+    """A node report within MAX_REPORT_BYTES: each rank's ticket table keeps its most
+    recently stamped controllers, as many as fit (halved until the report fits; a
+    controller left out releases its reservations by their TTL instead)."""
     while True:
-        data = _encode_node_report(util, incarnation, seq, max_ids_per_rank, refused)
-        if len(data) <= MAX_REPORT_BYTES or max_ids_per_rank == 0:
+        data = _encode_node_report(util, incarnation, seq, max_tickets_per_rank, refused)
+        if len(data) <= MAX_REPORT_BYTES or max_tickets_per_rank == 0:
             return data
-        max_ids_per_rank //= 2
+        max_tickets_per_rank //= 2
 
 
 def _encode_node_report(
     util: NodeUtilization,
     incarnation: int,
     seq: int,
-    max_ids_per_rank: int,
+    max_tickets: int,
     refused: Mapping[str, int] | None,
 ) -> bytes:
     ranks = [
@@ -78,8 +80,9 @@ def _encode_node_report(
             gauge_rows(r.gpu),
             r.num_valid_sequences,
             int(r.age_s * 1000),
-            list(r.added_seq_ids[-max_ids_per_rank:]) if max_ids_per_rank else [],
+            ticket_rows(r.tickets)[-max_tickets:] if max_tickets else [],
             r.report_seq,
+            r.num_refused,
         ]
         for r in util.ranks
     ]
@@ -142,7 +145,7 @@ def _rank_summaries(
         raise fail("ranks_mismatch", f"node {node} must report ranks {list(expected)}")
     summaries = []
     for i, row in enumerate(rows):
-        row = list_field(row, f"ranks[{i}]", 8, exact=8)
+        row = list_field(row, f"ranks[{i}]", 9, exact=9)
         state = STATE_CODES.get(row[1]) if type(row[1]) is str else None
         if state is None:
             raise fail("bad_field", f"ranks[{i}] state {row[1]!r} is not a known state")
@@ -154,8 +157,9 @@ def _rank_summaries(
                 gpu=gauges_field(row[3], f"ranks[{i}] gpu", windows),
                 num_valid_sequences=int_field(row[4], f"ranks[{i}] valid"),
                 age_s=int_field(row[5], f"ranks[{i}] age_ms") / 1000.0,
-                added_seq_ids=seq_ids_field(row[6], f"ranks[{i}] added"),
+                tickets=tickets_field(row[6], f"ranks[{i}] tickets"),
                 report_seq=int_field(row[7], f"ranks[{i}] seq", MAX_ID),
+                num_refused=int_field(row[8], f"ranks[{i}] refused"),
             )
         )
     return tuple(summaries)

@@ -1,11 +1,12 @@
 """Rank reports on the wire (rank -> its node's host-KV actor):
 
 {"v": 2, "t": "rank", "r": rank, "i": incarnation, "s": seq,
- "g": None | [[window, total, used, cached, tokens_per_block], ...],   # None: cache unbound
+ "g": None | [[window, total, used, cached, tokens_per_block, committed], ...],  # None: unbound
  "d": [[window, alloc_total, alloc_new, reused, onboarded, onboarded_bytes, missed,
         gen_alloc, evicted, offloaded, offloaded_bytes], ...],   # stats.DELTA_FIELDS
  "q": [queueing, in_prefill, prefilled, in_decode, on_hold, completed],
- "a": [seq ids added since the previous report]}
+ "k": [[controller id, highest ticket taken in], ...],   # kvfold.worker.tickets
+ "f": placements refused as over-commits (cumulative for the incarnation)}
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Collection
 
 from kvfold.codec.fields import (
     DECODE_ERRORS,
-    MAX_ADDED_IDS,
+    MAX_COUNT,
     MAX_ID,
     SCHEMA_VERSION,
     bad_field,
@@ -25,16 +26,17 @@ from kvfold.codec.fields import (
     gauges_field,
     int_field,
     pack,
-    seq_ids_field,
     status_field,
     status_row,
+    ticket_rows,
+    tickets_field,
     unpack,
 )
 from kvfold.errors import ReportError
 from kvfold.stats import RankReport, Window
 from kvfold.topology import Topology
 
-_RANK_KEYS = frozenset({"v", "t", "r", "i", "s", "g", "d", "q", "a"})
+_RANK_KEYS = frozenset({"v", "t", "r", "i", "s", "g", "d", "q", "k", "f"})
 
 
 def encode_rank_report(report: RankReport) -> bytes:
@@ -48,7 +50,8 @@ def encode_rank_report(report: RankReport) -> bytes:
             "g": gauge_rows(report.gpu),
             "d": delta_rows(report.deltas),
             "q": status_row(report.num_sequences_by_status),
-            "a": list(report.added_seq_ids[-MAX_ADDED_IDS:]),
+            "k": ticket_rows(report.tickets),
+            "f": report.num_refused,
         }
     )
 
@@ -79,7 +82,8 @@ def decode_rank_report(
             gpu=gauges_field(msg["g"], "g", windows),
             deltas=deltas_field(msg["d"], "d", windows),
             num_sequences_by_status=status_field(msg["q"]),
-            added_seq_ids=seq_ids_field(msg["a"], "a"),
+            tickets=tickets_field(msg["k"], "k"),
+            num_refused=int_field(msg["f"], "refused", MAX_COUNT),
         )
     except ReportError:
         raise

@@ -30,6 +30,7 @@ from kvfold.stats import (
     Window,
 )
 from kvfold.worker.block_pool import BlockPool
+from kvfold.worker.commitments import Policy, declared_end
 from kvfold.worker.config import KVCacheConfig
 from kvfold.worker.deltas import DeltaLedger
 from kvfold.worker.hashing import TokenIds, as_token_array, extend_keys, new_hasher
@@ -81,6 +82,9 @@ class PagedKVCache:
         self.status_counts = dict.fromkeys(SequenceStatus, 0)
         self.ledger = DeltaLedger(self.pools)
         self.released_refs = dict.fromkeys(self.windows, 0)  # cumulative, for integrity
+        # per window: the sequences' commitments summed (kvfold.worker.commitments)
+        self.commit_sums = dict.fromkeys(self.windows, 0)
+        self.num_refused = 0  # adds refused: they would over-commit a window (cumulative)
         self.host: HostLink | None = None
         self.set_host_tier(host_tier)
 
@@ -116,13 +120,21 @@ class PagedKVCache:
         self.status_counts[SequenceStatus.QUEUEING] += 1
 
     def add_sequence(
-        self, seq_id: SeqId, token_ids: TokenIds, salt: str | bytes | None = None
+        self,
+        seq_id: SeqId,
+        token_ids: TokenIds,
+        salt: str | bytes | None = None,
+        *,
+        max_new_tokens: int = 0,
+        policy: Policy = Policy.GUARANTEED_NO_EVICT,
     ) -> bool:
         """Allocate a prompt with prefix reuse; status becomes IN_PREFILL.
 
-        Returns False (nothing changed) when some window pool lacks room. A QUEUEING
-        sequence may be added; any other existing id is an error. The host tier is
-        asked before anything changes; its failures are misses.
+        The sequence is declared to reach prompt + max_new_tokens (GUARANTEED_NO_EVICT)
+        or prompt + one block (MAX_UTILIZATION). Returns False (nothing changed,
+        counted in `num_refused`) when that would make some window's committed blocks
+        exceed its total. A QUEUEING sequence may be added; any other existing id is
+        an error. The host tier is asked before anything changes; its failures are misses.
         """
         check_seq_id(seq_id)
         old = self.seqs.get(seq_id)
@@ -131,22 +143,28 @@ class PagedKVCache:
         tokens = as_token_array(token_ids)
         if tokens.size == 0:
             raise ValueError(f"token_ids must not be empty (seq_id {seq_id!r})")
-        hasher = new_hasher(salt)
         B = self.block_size
+        end = declared_end(int(tokens.size), max_new_tokens, policy, B)
+        hasher = new_hasher(salt)
         keys = extend_keys(hasher, tokens, B) if self.config.enable_prefix_reuse else []
-        plans = self._plan_prompt(int(tokens.size), keys)
+        plans = self._plan_prompt(int(tokens.size), keys, end)
         if plans is None:
+            self.num_refused += 1
             return False
         if self.host is not None:
             for plan in plans:
                 start = plan.first + len(plan.hits)
                 plan.payloads = self.host.fetch(plan.window, keys[start : plan.limit])
-        seq = SeqState(seq_id, hasher, SequenceStatus.IN_PREFILL, num_tokens=int(tokens.size))
+        seq = SeqState(
+            seq_id, hasher, SequenceStatus.IN_PREFILL, num_tokens=int(tokens.size), end=end
+        )
         if self.config.enable_prefix_reuse:
             seq.keys = keys
             seq.tail = tokens[len(keys) * B :].tolist()
         for plan in plans:
             self._apply_prompt(seq, plan)
+        L = seq.num_tokens
+        self._set_commitment(seq, {w: m.commitment(L, end) for w, m in self.managers.items()})
         if old is not None:
             self.status_counts[SequenceStatus.QUEUEING] -= 1
         self.seqs[seq_id] = seq
@@ -154,8 +172,9 @@ class PagedKVCache:
         self._flush_offloads()
         return True
 
-    def _plan_prompt(self, length: int, keys: list[bytes]) -> list[_PromptPlan] | None:
-        """Per window: the reusable run and the blocks to take; None if one lacks room."""
+    def _plan_prompt(self, length: int, keys: list[bytes], end: int) -> list[_PromptPlan] | None:
+        """Per window: the reusable run and the blocks to take; None if one lacks room,
+        or if the sequence's commitment to `end` tokens would over-commit the window."""
         plans = []
         for w, pool in self.pools.items():
             mgr = self.managers[w]
@@ -164,8 +183,27 @@ class PagedKVCache:
             num_new = mgr.num_blocks(length) - len(hits)
             if not pool.can_take(num_new, attaching=hits):
                 return None
+            grows = mgr.commitment(length, end)
+            if not mgr.counts_held:  # the blocks it makes used join the pool's count
+                grows += num_new + sum(1 for b in hits if pool.ref_counts[b] == 0)
+            if self.committed(w) + grows > pool.num_blocks:
+                return None
             plans.append(_PromptPlan(w, pool, first, limit, hits, num_new))
         return plans
+
+    def committed(self, window: Window) -> int:
+        """Blocks of `window` its sequences hold plus those they may still need to reach
+        their declared lengths (kvfold.worker.commitments); never above total."""
+        own = self.commit_sums[window]
+        return own if self.managers[window].counts_held else own + self.pools[window].num_used
+
+    def _set_commitment(self, seq: SeqState, commit: dict[Window, int]) -> None:
+        sums = self.commit_sums
+        for w, n in seq.commit.items():
+            sums[w] -= n
+        for w, n in commit.items():
+            sums[w] += n
+        seq.commit = commit
 
     def _apply_prompt(self, seq: SeqState, plan: _PromptPlan) -> None:
         """Attach the hits, take the rest, copy in what the host tier had, key the new
@@ -198,8 +236,10 @@ class PagedKVCache:
     def append_tokens(self, seq_id: SeqId, token_ids: TokenIds) -> bool:
         """Grow a sequence by decoded tokens. False (nothing changed) when out of room.
 
-        Sliding-window pools release the blocks that fall wholly out of the window
-        before taking new ones.
+        Growth within the sequence's declared length always finds its blocks; growth
+        past it extends the declaration, and is refused when that would over-commit
+        a window. Sliding-window pools release the blocks that fall wholly out of the
+        window before taking new ones.
         """
         seq = self._get(seq_id)
         if not seq.holds_blocks:
@@ -210,8 +250,13 @@ class PagedKVCache:
         tokens = as_token_array(token_ids)
         if tokens.size == 0:
             return True
-        plans = self._plan_growth(seq, seq.num_tokens + int(tokens.size))
+        length = seq.num_tokens + int(tokens.size)
+        plans = self._plan_growth(seq, length)
         if plans is None:
+            return False
+        end = max(seq.end, length)
+        commit = {w: m.commitment(length, end) for w, m in self.managers.items()}
+        if end > seq.end and not self._fits_growth(seq, plans, commit):
             return False
         key_start = len(seq.keys)
         if self.config.enable_prefix_reuse:
@@ -221,8 +266,23 @@ class PagedKVCache:
             seq.keys.extend(new_keys)
         for plan in plans:
             self._apply_growth(seq, plan, key_start)
-        seq.num_tokens += int(tokens.size)
+        seq.num_tokens = length
+        seq.end = end
+        self._set_commitment(seq, commit)
         self._flush_offloads()
+        return True
+
+    def _fits_growth(
+        self, seq: SeqState, plans: list[_GrowthPlan], commit: dict[Window, int]
+    ) -> bool:
+        """Whether growing past the declared end keeps every window's committed <= total."""
+        for plan in plans:
+            w, mgr = plan.window, self.managers[plan.window]
+            grows = commit[w] - seq.commit.get(w, 0)
+            if not mgr.counts_held:  # full attention: every new block joins used
+                grows += plan.growth.num_new
+            if grows > 0 and self.committed(w) + grows > plan.pool.num_blocks:
+                return False
         return True
 
     def _plan_growth(self, seq: SeqState, length: int) -> list[_GrowthPlan] | None:
@@ -267,6 +327,7 @@ class PagedKVCache:
             )
         if status not in VALID_STATUSES:
             self._release_all(seq)
+            self._set_commitment(seq, {})
         self.status_counts[seq.status] -= 1
         self.status_counts[status] += 1
         seq.status = status
@@ -275,6 +336,7 @@ class PagedKVCache:
         """Release every block (tail first) and forget the sequence."""
         seq = self._get(seq_id)
         self._release_all(seq)
+        self._set_commitment(seq, {})
         self.status_counts[seq.status] -= 1
         del self.seqs[seq_id]
 
@@ -329,7 +391,7 @@ class PagedKVCache:
         B = self.block_size
         return KVStats(
             windows={
-                w: BlockGauges(p.num_blocks, p.num_used, p.num_cached, B)
+                w: BlockGauges(p.num_blocks, p.num_used, p.num_cached, B, self.committed(w))
                 for w, p in self.pools.items()
             },
             num_sequences_by_status=dict(self.status_counts),

@@ -15,23 +15,28 @@ from typing import Protocol
 import numpy as np
 
 from kvfold.worker.cache import PagedKVCache
+from kvfold.worker.commitments import Policy
 from kvfold.worker.sequence import SeqId
+from kvfold.worker.tickets import Ticket
 
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
-    """A request placed on this rank: its prompt and how many tokens it may generate."""
+    """A request placed on this rank: its prompt, how many tokens it may generate, what
+    its admission promised, and the admitting controller's ticket (kvfold.worker.tickets)."""
 
     seq_id: SeqId
     prompt: Sequence[int] | np.ndarray
     max_new_tokens: int
     salt: str | None = None
+    policy: Policy = Policy.GUARANTEED_NO_EVICT
+    ticket: Ticket | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
     admitted: tuple[SeqId, ...]
-    refused: tuple[SeqId, ...]  # did not fit: nothing changed for them
+    refused: tuple[SeqId, ...]  # would over-commit the rank: nothing changed for them
     finished: tuple[SeqId, ...]
     on_hold: tuple[SeqId, ...]  # could not grow this step
     num_running: int

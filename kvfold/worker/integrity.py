@@ -4,7 +4,8 @@ Invariants (DESIGN 3.3): used + cached + free == total per window; every referen
 count equals the number of block tables holding the block; no block both free and
 referenced; counters equal a recount (alloc_total + reused - released == held
 references); every taken block was fresh or evicted (alloc_total == alloc_new +
-evicted); each sequence holds exactly the blocks its window says; status counts
+evicted); committed blocks recount from the sequences' declared ends and lie within
+[used, total]; each sequence holds exactly the blocks its window says; status counts
 match. Raises IntegrityError with the numbers that failed to balance.
 
 Reads the cache through `CacheState` (what PagedKVCache exposes), so this module
@@ -33,6 +34,8 @@ class SequenceState(Protocol):
     def tables(self) -> Mapping[Window, list[int]]: ...
     @property
     def first(self) -> Mapping[Window, int]: ...
+    @property
+    def end(self) -> int: ...
 
 
 class CacheState(Protocol):
@@ -46,6 +49,8 @@ class CacheState(Protocol):
     def status_counts(self) -> Mapping[SequenceStatus, int]: ...
     @property
     def released_refs(self) -> Mapping[Window, int]: ...
+    @property
+    def commit_sums(self) -> Mapping[Window, int]: ...
 
     def cumulative(self) -> IterationStats: ...
 
@@ -59,6 +64,7 @@ def check_cache_integrity(cache: CacheState) -> None:
                 expected[b] += 1
         pool.check_integrity(expected)
         _check_counters(w, cum, sum(expected), cache.released_refs[w])
+        _check_commitments(cache, w, pool)
     counts = dict.fromkeys(SequenceStatus, 0)
     for seq in cache.seqs.values():
         counts[seq.status] += 1
@@ -83,6 +89,25 @@ def _check_counters(w: Window, cumulative: IterationStats, refs: int, released: 
     if c.onboarded_blocks > c.alloc_total_blocks:
         raise IntegrityError(
             f"window {w!r}: onboarded {c.onboarded_blocks} > alloc_total {c.alloc_total_blocks}"
+        )
+
+
+def _check_commitments(cache: CacheState, w: Window, pool: BlockPool) -> None:
+    """Recount what the sequences committed from their lengths and declared ends
+    (kvfold.worker.commitments): used <= committed <= total."""
+    mgr = cache.managers[w]
+    own = sum(
+        mgr.commitment(s.num_tokens, s.end)
+        for s in cache.seqs.values()
+        if s.status in VALID_STATUSES
+    )
+    if own != cache.commit_sums[w]:
+        raise IntegrityError(f"window {w!r}: committed sum {cache.commit_sums[w]} != recount {own}")
+    committed = own if mgr.counts_held else own + pool.num_used
+    if not pool.num_used <= committed <= pool.num_blocks:
+        raise IntegrityError(
+            f"window {w!r}: committed {committed} outside [used {pool.num_used}, "
+            f"total {pool.num_blocks}]"
         )
 
 

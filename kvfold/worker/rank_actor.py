@@ -36,9 +36,23 @@ from kvfold.stats import (
 )
 from kvfold.topology import Topology
 from kvfold.worker.cache import PagedKVCache
+from kvfold.worker.commitments import Policy, as_policy
 from kvfold.worker.config import BlockLayout, KVCacheConfig
 from kvfold.worker.engine import Engine, EngineFactory, EngineRequest, StepResult
 from kvfold.worker.sequence import SeqId
+from kvfold.worker.tickets import Ticket, TicketBook
+
+TicketLike = Ticket | tuple[str, int] | list[Any] | None
+
+
+def as_ticket(value: TicketLike) -> Ticket | None:
+    """A Ticket from itself, None, or a (controller id, number) pair."""
+    if value is None or isinstance(value, Ticket):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return Ticket(value[0], value[1])
+    raise TypeError(f"ticket must be a Ticket or (controller id, number), got {value!r}")
+
 
 ACK_TIMEOUT_S = 2.0
 MAX_INFLIGHT_REPORTS = 64
@@ -123,7 +137,8 @@ class RankWorker:
         self.host = RemoteHostTier(self) if host_tier else None
         self._node: Any = None
         self._unreported: dict[Window, BlockDeltas] = {}
-        self._added: list[SeqId] = []
+        self.tickets = TicketBook()  # per controller, the highest ticket taken in
+        self._refused_before = 0  # refusals counted by caches this rank has rebound
         self.reports_sent = 0  # answered by the node (accepted or refused)
         self.reports_failed = 0  # not answered: node down or timed out
         self.report_verdicts: dict[str, int] = {}
@@ -142,6 +157,8 @@ class RankWorker:
             if self.host is not None and self.cache is not None:
                 self.host.settle(self.cache)  # answers for the old cache count there
                 self.host.pending.items.clear()  # the rest belong to a cache that is gone
+            if self.cache is not None:
+                self._refused_before += self.cache.num_refused
             self.cache = PagedKVCache(config, host_tier=self.host)
             self.engine = None if self.engine_factory is None else self.engine_factory(self.cache)
             self.layout = config.block_layout()
@@ -160,6 +177,8 @@ class RankWorker:
             "reports_sent": self.reports_sent,
             "report_verdicts": dict(self.report_verdicts),
             "reports_failed": self.reports_failed + self.loop.failures,
+            "refused": self._refused_before + (self.cache.num_refused if self.cache else 0),
+            "late_tickets": self.tickets.late,
             **self._host_failures(),
         }
 
@@ -208,12 +227,25 @@ class RankWorker:
             self.loop.wake()
 
     def add_sequence(
-        self, seq_id: SeqId, token_ids: Sequence[int], salt: str | None = None, report: bool = False
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        salt: str | None = None,
+        report: bool = False,
+        *,
+        max_new_tokens: int = 0,
+        policy: Policy | str = Policy.GUARANTEED_NO_EVICT,
+        ticket: TicketLike = None,
     ) -> bool:
+        """Place a request: its prompt, the tokens it may generate, what its admission
+        promised, and the admitting controller's ticket. False: it would over-commit
+        the rank (nothing changed; counted). The ticket is recorded either way."""
+        stamp, pol = as_ticket(ticket), as_policy(policy)
         with self.lock:
-            ok = self._cache().add_sequence(seq_id, token_ids, salt=salt)
-            if ok:
-                self._added.append(seq_id)
+            ok = self._cache().add_sequence(
+                seq_id, token_ids, salt=salt, max_new_tokens=max_new_tokens, policy=pol
+            )
+            self.tickets.take(stamp)
         self._changed(report)
         return ok
 
@@ -276,18 +308,20 @@ class RankWorker:
 
     def engine_step(
         self,
-        admits: list[tuple[SeqId, np.ndarray, int, str | None]],
+        admits: list[tuple[Any, ...]],
         decode_tokens: int = 1,
         report: bool = True,
     ) -> StepResult:
-        """One step of this rank's engine (kvfold.worker.engine; the simulated one by default)."""
-        requests = [EngineRequest(s, p, n, salt) for s, p, n, salt in admits]
+        """One step of this rank's engine (kvfold.worker.engine; the simulated one by
+        default). Each admit: (seq_id, prompt, max_new_tokens, salt[, policy, ticket])."""
+        requests = [_engine_request(a) for a in admits]
         with self.lock:
             self._cache()
             if self.engine is None:
                 raise ValueError(f"rank {self.rank} has no engine (launch with an engine_factory)")
             result = self.engine.step(requests, decode_tokens)
-            self._added.extend(result.admitted)
+            for req in requests:  # placed or refused: the rank has seen it
+                self.tickets.take(req.ticket)
         self._changed(report and bool(result.admitted or result.finished))
         return result
 
@@ -309,8 +343,10 @@ class RankWorker:
                 stats = self.cache.stats()
                 gpu = dict(stats.windows)
                 statuses = dict(stats.num_sequences_by_status)
+                refused = self._refused_before + self.cache.num_refused
             else:
                 gpu, statuses = None, dict.fromkeys(SequenceStatus, 0)
+                refused = self._refused_before
             self.seq += 1
             report = RankReport(
                 rank=self.rank,
@@ -319,17 +355,16 @@ class RankWorker:
                 gpu=gpu,
                 deltas=self._unreported,
                 num_sequences_by_status=statuses,
-                added_seq_ids=tuple(self._added),
+                tickets=self.tickets.snapshot(),
+                num_refused=refused,
             )
             self._unreported = {}
-            self._added = []
         return report
 
     def _restore(self, report: RankReport) -> None:
         """A report that certainly did not arrive: carry its deltas into the next one."""
         with self.lock:
             self._unreported = sum_deltas([report.deltas, self._unreported])
-            self._added = list(report.added_seq_ids) + self._added
 
     def report_now(self) -> str:
         """Build and push one report, waiting for the node's answer (for drivers and tests)."""
@@ -373,3 +408,15 @@ class RankWorker:
     def _tick(self) -> None:
         with self._report_lock:
             self._push(wait_s=3 * self.report_interval_s)
+
+
+def _engine_request(admit: tuple[Any, ...] | list[Any]) -> EngineRequest:
+    if len(admit) == 4:
+        return EngineRequest(*admit)
+    if len(admit) == 6:
+        seq_id, prompt, max_new, salt, policy, ticket = admit
+        return EngineRequest(seq_id, prompt, max_new, salt, as_policy(policy), as_ticket(ticket))
+    raise ValueError(
+        "an admit is (seq_id, prompt, max_new_tokens, salt[, policy, ticket]), "
+        f"got {len(admit)} fields"
+    )

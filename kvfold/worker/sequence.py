@@ -23,6 +23,8 @@ class SeqState:
     tail: list[int] = field(default_factory=list)  # tokens of the partial last block
     tables: dict[Window, list[int]] = field(default_factory=dict)  # held blocks per window
     first: dict[Window, int] = field(default_factory=dict)  # logical index of tables[w][0]
+    end: int = 0  # the length it is promised to reach (kvfold.worker.commitments)
+    commit: dict[Window, int] = field(default_factory=dict)  # its commitment per window
 
     @property
     def holds_blocks(self) -> bool:

@@ -57,6 +57,25 @@ class FullAttentionManager:
         nothing to `num_tokens` tokens (what admission must be able to promise)."""
         return ceil_div(num_tokens, self.block_size)
 
+    def peak_blocks(self, num_tokens: int, end_tokens: int) -> int:
+        """The most blocks the group holds at once while a sequence grows from
+        `num_tokens` to `end_tokens` tokens (num_tokens <= end_tokens)."""
+        return ceil_div(end_tokens, self.block_size)
+
+    def commitment(self, num_tokens: int, end_tokens: int) -> int:
+        """What a sequence of `num_tokens` tokens, declared to reach `end_tokens`,
+        commits in this group beyond the blocks the pool already counts as used:
+        the blocks it has still to take. (Full attention never releases a block while
+        a sequence grows, so its held blocks stay in the pool's used count.)"""
+        return ceil_div(max(num_tokens, end_tokens), self.block_size) - ceil_div(
+            num_tokens, self.block_size
+        )
+
+    counts_held = False
+    """Whether `commitment` includes the blocks a sequence holds (True where a held
+    block may be released while its sharers keep it, so the pool's used count
+    cannot stand for it)."""
+
     def reuse_limit(self, num_tokens: int) -> int:
         """Blocks [first_block, reuse_limit) of a prompt may come from a cache: the last
         token is always computed, as in vLLM and TensorRT-LLM."""
@@ -92,6 +111,48 @@ class SlidingWindowManager(FullAttentionManager):
         bound = ceil_div(self.window_tokens, self.block_size) + 1
         return min(ceil_div(num_tokens, self.block_size), bound)
 
+    counts_held = True
+
+    def commitment(self, num_tokens: int, end_tokens: int) -> int:
+        """Every block the sequence may hold at once on its way to `end_tokens`, held
+        ones included: a shared block it slides past stays used by its sharers, so
+        each holder counts its own (exact when nothing is shared)."""
+        return self.peak_blocks(num_tokens, max(num_tokens, end_tokens))
+
+    def peak_blocks(self, num_tokens: int, end_tokens: int) -> int:
+        """Exact, in O(1). Up to W tokens the group holds ceil(L/B) blocks (growing);
+        from W on, with W = qB + r and t = L mod B, it holds q + [t > 0] + [t < r]
+        blocks: periodic in L, so only the residues [num_tokens, end_tokens] meets matter."""
+        B, W = self.block_size, self.window_tokens
+        best = 0
+        if num_tokens < W:
+            best = ceil_div(min(end_tokens, W), B)
+        a = max(num_tokens, W)
+        if a > end_tokens:
+            return best
+        q, r = divmod(W, B)
+        n = min(end_tokens - a + 1, B)  # how many residues the range meets
+        s = a % B
+        if _meets(s, n, B, 1, r - 1):
+            extra = 2
+        elif n > 1 or s > 0 or r > 0:
+            extra = 1  # some t > 0, or t = 0 with r > 0
+        else:
+            extra = 0
+        return max(best, q + extra)
+
+
+def _meets(s: int, n: int, B: int, lo: int, hi: int) -> bool:
+    """Whether the cyclic residue range s, s+1, ... (n of them, mod B) meets [lo, hi]."""
+    if lo > hi:
+        return False
+    if n >= B:
+        return True
+    end = s + n - 1
+    if end < B:
+        return s <= hi and lo <= end
+    return (s <= hi) or (lo <= end - B)
+
 
 class WindowManager(Protocol):
     """What every window kind answers (FullAttentionManager, SlidingWindowManager)."""
@@ -103,6 +164,11 @@ class WindowManager(Protocol):
     def first_block(self, num_tokens: int) -> int: ...
     def num_blocks(self, num_tokens: int) -> int: ...
     def max_blocks(self, num_tokens: int) -> int: ...
+    def peak_blocks(self, num_tokens: int, end_tokens: int) -> int: ...
+    def commitment(self, num_tokens: int, end_tokens: int) -> int: ...
+
+    counts_held: bool
+
     def reuse_limit(self, num_tokens: int) -> int: ...
     def growth(self, first: int, num_tokens: int, new_num_tokens: int) -> Growth: ...
 

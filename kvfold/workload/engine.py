@@ -4,7 +4,8 @@ Each `step(admits)`:
   1. every running sequence decodes one token (a sequence with no room to grow
      is put ON_HOLD, keeping its blocks, and retried next step);
   2. sequences that produced their last token are freed;
-  3. admitted requests are added (prefill); one that does not fit is refused.
+  3. admitted requests are added (prefill) with their declared length; one that
+     would over-commit the rank is refused (kvfold.worker.commitments).
 
 A prefilled sequence starts decoding at the next step. The engine owns no
 policy: which request goes to which rank is the scheduler's decision.
@@ -82,7 +83,14 @@ class SimEngine:
         admitted: list[SeqId] = []
         refused: list[SeqId] = []
         for req in admits:
-            if self.cache.add_sequence(req.seq_id, req.prompt, salt=req.salt):
+            ok = self.cache.add_sequence(
+                req.seq_id,
+                req.prompt,
+                salt=req.salt,
+                max_new_tokens=req.max_new_tokens,
+                policy=req.policy,
+            )
+            if ok:
                 self.remaining[req.seq_id] = req.max_new_tokens
                 admitted.append(req.seq_id)
             else:

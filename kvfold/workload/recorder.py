@@ -75,8 +75,12 @@ class ReplayRecorder:
     completed: int = 0
     ever_queued: int = 0
     queue_decisions: int = 0
-    overcommits: int = 0  # admitted, then refused by the rank for lack of blocks
+    schedulers: int = 1
+    rank_refusals: int = 0  # placements a rank refused: they would have over-committed it
+    overcommits: int = 0  # GUARANTEED_NO_EVICT sequences that could not grow: must be 0
     decode_stalls: int = 0  # a running sequence could not grow in a step
+    admitted_tokens: int = 0  # prompt + max new tokens of every completed request
+    last_completion_trace_s: float = 0.0
     queue_delays_s: list[float] = field(default_factory=list)  # trace seconds
     decisions: Counter[str] = field(default_factory=Counter)
     samples: list[Sample] = field(default_factory=list)
@@ -105,7 +109,14 @@ class ReplayRecorder:
             max((n.gpu_usage for n in s.nodes if n.gpu_usage == n.gpu_usage), default=0.0)
             for s in self.samples
         ]
+        used = [
+            sum(n.gpu_used for n in s.nodes if n.state == "fresh")
+            / max(1, sum(n.gpu_total for n in s.nodes if n.state == "fresh"))
+            for s in self.samples
+        ]
+        span = self.last_completion_trace_s
         return {
+            "schedulers": self.schedulers,
             "requests": self.num_requests,
             "admitted": self.admitted,
             "rejected": self.rejected,
@@ -116,8 +127,14 @@ class ReplayRecorder:
             "queue_delay_p99_s": _pct(d, 0.99),
             "queue_delay_mean_s": statistics.fmean(d) if d else 0.0,
             "overcommits": self.overcommits,
+            "rank_refusals": self.rank_refusals,
+            "rank_refusal_rate": self.rank_refusals / max(1, self.admitted + self.rank_refusals),
             "decode_stalls": self.decode_stalls,
             "peak_node_gpu_usage": max(peak, default=0.0),
+            "mean_gpu_usage": statistics.fmean(used) if used else 0.0,
+            "admitted_tokens": self.admitted_tokens,
+            "last_completion_trace_s": span,
+            "work_tokens_per_trace_s": self.admitted_tokens / span if span else 0.0,
             "decisions": dict(self.decisions),
             "wall_s": self.wall_s,
             **self.final,
@@ -137,9 +154,13 @@ class ReplayRecorder:
                 "blocks)",
                 f"host tier: offloaded {s.get('offloaded_blocks', 0)}, dropped unread "
                 f"{s.get('host_dropped_blocks', 0)} blocks",
-                f"over-commits {s['overcommits']} (must be 0), decode stalls {s['decode_stalls']}, "
-                f"peak node GPU usage {100 * s['peak_node_gpu_usage']:.1f}%, "
-                f"wall {s['wall_s']:.1f} s",
+                f"schedulers {s['schedulers']}: over-commits {s['overcommits']} (must be 0), "
+                f"rank refusals {s['rank_refusals']} "
+                f"({100 * s['rank_refusal_rate']:.2f}% of placements), "
+                f"decode stalls {s['decode_stalls']}",
+                f"GPU usage mean {100 * s['mean_gpu_usage']:.1f}%, peak node "
+                f"{100 * s['peak_node_gpu_usage']:.1f}%; work {s['work_tokens_per_trace_s']:.0f} "
+                f"tokens per trace s; wall {s['wall_s']:.1f} s",
             ]
         )
 

@@ -101,6 +101,7 @@ def test_mooncake_replay_never_over_commits(kv, tmp_path) -> None:  # type: igno
     rec = replay(kv, workload, ReplayConfig(time_scale=100.0, decode_tokens_per_s=40.0))
     s = rec.summary()
     assert s["overcommits"] == 0
+    assert s["rank_refusals"] == 0  # one scheduler: its promises always fit the rank
     assert s["admitted"] + s["rejected"] == 150 and s["completed"] == s["admitted"]
     assert s["decode_stalls"] == 0  # guaranteed-no-evict: every admitted request could grow
     assert s["gpu_hit_rate"] > 0  # the trace shares prefixes
@@ -111,3 +112,19 @@ def test_mooncake_replay_never_over_commits(kv, tmp_path) -> None:  # type: igno
         v for k, v in m["kvfold_admission_decisions_total"].items() if ("outcome", "admit") in k
     )
     assert admitted == s["admitted"]
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"needs the shared trace at {TRACE}")
+def test_four_schedulers_in_four_processes_share_the_ranks(kv) -> None:  # type: ignore[no-untyped-def]
+    from kvfold.cluster.replay import ReplayConfig, replay
+    from kvfold.workload.traces import load_mooncake
+
+    before = sum(r.num_refused for n in kv.view().nodes for r in n.ranks)
+    workload = load_mooncake(TRACE, limit=150)
+    cfg = ReplayConfig(time_scale=100.0, decode_tokens_per_s=40.0, schedulers=4)
+    s = replay(kv, workload, cfg).summary()
+    assert s["schedulers"] == 4 and s["overcommits"] == 0 and s["decode_stalls"] == 0
+    assert s["admitted"] + s["rejected"] == 150 and s["completed"] == s["admitted"]
+    # what the replay saw refused is what the ranks counted and reported
+    after = sum(r.num_refused for n in kv.view().nodes for r in n.ranks)
+    assert after - before == s["rank_refusals"]

@@ -47,7 +47,9 @@ def make_report(
     missed: int = 0,
     statuses: dict | None = None,  # type: ignore[type-arg]
     unbound: bool = False,
-    added: tuple = (),  # type: ignore[type-arg]
+    tickets: dict | None = None,  # type: ignore[type-arg]
+    committed: int | None = None,
+    refused: int = 0,
 ):  # type: ignore[no-untyped-def]
     from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus
 
@@ -57,10 +59,15 @@ def make_report(
         rank=rank,
         incarnation=incarnation,
         seq=seq,
-        gpu=None if unbound else {window: BlockGauges(total, used, cached, 4)},
+        gpu=None
+        if unbound
+        else {
+            window: BlockGauges(total, used, cached, 4, used if committed is None else committed)
+        },
         deltas={window: BlockDeltas(reused_blocks=reused, missed_blocks=missed)},
         num_sequences_by_status=counts,
-        added_seq_ids=added,
+        tickets=tickets or {},
+        num_refused=refused,
     )
 
 

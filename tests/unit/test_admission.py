@@ -28,19 +28,25 @@ def make_view(
     total: int = 100,
     windows=(None,),  # type: ignore[no-untyped-def]
     states: dict[int, SourceState] | None = None,
-    added: dict[int, tuple[str, ...]] | None = None,
+    tickets: dict[int, dict[str, int]] | None = None,
     version: int = 1,
+    committed: dict[int, int] | None = None,
+    incarnation: int = 1,
 ) -> ClusterView:
-    used = used or {}
+    """A view whose ranks report `used` blocks, `committed` (default: used) and tickets."""
+    used, committed = used or {}, committed or {}
     reports = {
         r: RankReport(
             rank=r,
-            incarnation=1,
+            incarnation=incarnation,
             seq=version,
-            gpu={w: BlockGauges(total, used.get(r, 0), 0, 4) for w in windows},
+            gpu={
+                w: BlockGauges(total, used.get(r, 0), 0, 4, committed.get(r, used.get(r, 0)))
+                for w in windows
+            },
             deltas={w: BlockDeltas() for w in windows},
             num_sequences_by_status=dict.fromkeys(SequenceStatus, 0),
-            added_seq_ids=(added or {}).get(r, ()),
+            tickets=(tickets or {}).get(r, {}),
         )
         for r in range(topo.world_size)
     }
@@ -64,6 +70,10 @@ def test_blocks_needed_per_window_both_policies() -> None:
     mu = blocks_needed(30, 20, (None, 8, 64), 4, MAXU)
     # F = 30 + 4 = 34: full ceil(34/4) = 9; W=8: 3; W=64: min(9, 17) = 9
     assert mu == {None: 9, 8: 3, 64: 9}
+    assert blocks_needed(30, 2, (None,), 4, MAXU) == {None: 8}  # never past max_new_tokens
+    # exact, not the bound: a 9-token window over 4-token blocks meets at most 3 blocks
+    # (the bound ceil(9/4) + 1 = 4 needs a span of 10 tokens)
+    assert blocks_needed(30, 20, (9,), 4, GNE) == {9: 3}
 
 
 def test_admit_reject_queue_and_reasons() -> None:
@@ -134,31 +144,33 @@ def test_no_over_commit_from_four_threads_then_capacity_returns(policy: Policy) 
         == 200
     )
     per_rank: dict[int, int] = {}
+    top: dict[int, int] = {}
     for _, d in admitted:
         per_rank[d.rank] = per_rank.get(d.rank, 0) + d.blocks[None]
+        top[d.rank] = max(top.get(d.rank, 0), d.ticket.number)
+    assert sorted(d.ticket.number for _, d in admitted) == list(range(1, len(admitted) + 1))
     for r in range(8):
-        free = 100 - 10 * r
-        assert per_rank.get(r, 0) <= free - watermark  # never promised more than it had
+        assert per_rank.get(r, 0) <= 100 - 10 * r - watermark  # never promised more than it had
         assert ctl.policy.promised(r)[None] == per_rank.get(r, 0)
     assert len(admitted) < 200  # the cluster filled up: the rest were queued, not over-promised
-    # the ranks report the prompts: reservations shrink to the growth still to come
-    prompt_blocks = blocks_needed(17, 0, (None,), 4, GNE)[None]  # ceil(17/4) = 5
-    need = admitted[0][1].blocks[None]
-    used = {r: 10 * r for r in range(8)}
-    added: dict[int, list[str]] = {}
-    for rid, d in admitted:
-        used[d.rank] += prompt_blocks
-        added.setdefault(d.rank, []).append(rid)
-    view = make_view(topo, used=used, added={r: tuple(v) for r, v in added.items()}, version=2)
+    # the ranks take the requests in and report them: committed holds them, the tickets say so
+    committed = {r: 10 * r + per_rank.get(r, 0) for r in range(8)}
+    cid = ctl.controller_id
+    view = make_view(
+        topo,
+        used={r: 10 * r for r in range(8)},
+        committed=committed,
+        tickets={r: {cid: t} for r, t in top.items()},
+        version=2,
+    )
     ctl.refresh(force=True)
-    for r, ids in added.items():
-        assert ctl.policy.promised(r)[None] == len(ids) * (need - prompt_blocks)
-    # the requests finish: their reservations go and the capacity comes back
-    for rid, _ in admitted:
-        assert ctl.release(rid)
+    assert all(ctl.policy.promised(r)[None] == 0 for r in range(8))  # nothing counted twice
+    assert ctl.policy.settled == len(admitted) and not ctl.policy.reservations
+    assert ctl.decide(AdmissionRequest("full", 17, 12)).outcome is Outcome.QUEUE
+    assert not any(ctl.release(rid) for rid, _ in admitted)  # the ranks hold them now
+    # the requests finish at the ranks: the capacity comes back with their reports
     view = make_view(topo, used={r: 10 * r for r in range(8)}, version=3)
     ctl.refresh(force=True)
-    assert all(ctl.policy.promised(r)[None] == 0 for r in range(8))
     d = ctl.decide(AdmissionRequest("after", prompt_tokens=17, max_new_tokens=12))
     assert d.outcome is Outcome.ADMIT and d.rank == 0  # rank 0 has the most room again
 
@@ -173,6 +185,7 @@ def test_reservations_expire_after_ttl() -> None:
     now[0] = 5.0
     ctl.refresh(force=True)
     assert ctl.decide(AdmissionRequest("b", 60, 0)).outcome is Outcome.ADMIT
+    assert ctl.policy.expired == 1
 
 
 def test_prefix_affinity_prefers_the_rank_that_holds_the_prefix() -> None:
@@ -216,3 +229,7 @@ def test_bad_requests_and_arguments() -> None:
         AdmissionController(42)
     with pytest.raises(ValueError, match="no_fresh"):
         AdmissionController(lambda: None, no_fresh=Outcome.ADMIT)
+    with pytest.raises(ValueError, match="num_controllers"):
+        AdmissionController(lambda: None, num_controllers=0)
+    with pytest.raises(ValueError, match="controller id"):
+        AdmissionController(lambda: None, controller_id="x" * 65)

@@ -37,7 +37,10 @@ def two_window_report(rank: int = 5) -> RankReport:
         rank=rank,
         incarnation=123456789,
         seq=42,
-        gpu={None: BlockGauges(1000, 300, 50, 16), 4096: BlockGauges(1000, 20, 5, 16)},
+        gpu={
+            None: BlockGauges(1000, 300, 50, 16, 420),
+            4096: BlockGauges(1000, 20, 5, 16, 33),
+        },
         deltas={
             None: BlockDeltas(
                 alloc_total_blocks=5,
@@ -52,7 +55,8 @@ def two_window_report(rank: int = 5) -> RankReport:
             4096: BlockDeltas(alloc_total_blocks=1, alloc_new_blocks=1),
         },
         num_sequences_by_status={s: i for i, s in enumerate(SequenceStatus)},
-        added_seq_ids=("req-1", 17),
+        tickets={"router-a": 17, "router-b": 3},
+        num_refused=2,
     )
 
 
@@ -64,7 +68,7 @@ def test_rank_report_round_trip() -> None:
 
 
 def test_node_report_round_trip() -> None:
-    reports = {r: make_report(r, used=r, added=(f"s{r}",)) for r in (8, 9)}
+    reports = {r: make_report(r, used=r, tickets={f"c{r}": r}, refused=r) for r in (8, 9)}
     util = fold_node(TOPO, 2, reports, HostStats(100, 7, 7, 3, 300))
     back = decode_node_report(encode_node_report(util, incarnation=3, seq=9), TOPO)
     assert (back.node, back.incarnation, back.seq) == (2, 3, 9)
@@ -87,8 +91,8 @@ def test_each_reason() -> None:
     expect("bad_msgpack", b"\xc1")
     expect("bad_msgpack", b"\x92\x01")  # truncated array
     expect("bad_schema", msgpack.packb([1, 2]))
-    expect("bad_schema", patched(v=1))  # an older kvfold's reports: alloc counters differ
-    expect("bad_schema", patched(v=3))
+    expect("bad_schema", patched(v=2))  # an older kvfold's reports: no commitments, no tickets
+    expect("bad_schema", patched(v=4))
     expect("bad_schema", patched(t="node"))
     expect("bad_schema", patched(extra=1))
     expect("too_large", b"\x00" * (MAX_REPORT_BYTES + 1))
@@ -97,11 +101,11 @@ def test_each_reason() -> None:
     expect("bad_field", patched(s=float("nan")))
     expect("bad_field", patched(i=2**64 - 1))
     expect("bad_field", patched(q=[1, 2]))
-    expect("bad_field", patched(a=["x" * 1000]))
-    expect("bad_field", patched(a=list(range(10_000))))
-    expect("bad_field", patched(g=[[None, 10, 1, 0, 4]] * 20))
-    expect("used_exceeds_total", patched(g=[[None, 10, 11, 0, 4]]))
-    expect("used_exceeds_total", patched(g=[[None, 10, 6, 6, 4]]))
+    expect("bad_field", patched(k=[["x" * 1000, 1]]))
+    expect("bad_field", patched(k=[[f"c{i}", 1] for i in range(1_000)]))
+    expect("bad_field", patched(g=[[None, 10, 1, 0, 4, 1]] * 20))
+    expect("used_exceeds_total", patched(g=[[None, 10, 11, 0, 4, 11]]))
+    expect("used_exceeds_total", patched(g=[[None, 10, 6, 6, 4, 6]]))
     expect("rank_out_of_world", patched(r=10))
     expect("rank_out_of_world", patched(r=-1))
     expect("rank_not_on_node", patched(r=0), node=1)
@@ -231,21 +235,29 @@ def test_node_report_refuses_wrong_ranks_and_nodes() -> None:
         decode_node_report(msgpack.packb(bad), TOPO)
 
 
-def test_node_report_keeps_recent_ids_within_the_size_limit() -> None:
-    from kvfold.aggregator.node_state import NodeState
-
-    topo = Topology(8, 8)
-    state = NodeState(topo, 0, (None,), 1.0, 2.0)
-    for seq in range(1, 4):  # three reports, 100 long ids each, from every rank
-        for r in range(8):
-            ids = tuple(f"{r}-{seq}-" + "x" * 100 + f"-{i}" for i in range(100))
-            rep = make_report(r, incarnation=1, seq=seq, added=ids)
-            assert state.receive(encode_rank_report(rep), 0.0) == "accepted"
-    util = state.fold(0.0, None)
-    assert len(util.ranks[0].added_seq_ids) == 256  # recent ids across reports, not only the last
-    assert util.ranks[0].added_seq_ids[-1] == "0-3-" + "x" * 100 + "-99"
+def test_node_report_keeps_the_newest_tickets_within_the_size_limit() -> None:
+    topo = Topology(64, 64)
+    tickets = {f"controller-{i:02d}-" + "x" * 50: 10**12 + i for i in range(64)}
+    reports = {r: make_report(r, tickets=tickets) for r in range(64)}
+    util = fold_node(topo, 0, reports, None)
     data = encode_node_report(util, 1, 1)
-    assert len(data) <= MAX_REPORT_BYTES  # 8 x 256 ids of ~110 chars would be ~230 KiB
-    back = decode_node_report(data, topo).util
-    kept = back.ranks[0].added_seq_ids
-    assert 0 < len(kept) < 256 and kept == util.ranks[0].added_seq_ids[-len(kept) :]  # newest kept
+    assert len(data) <= MAX_REPORT_BYTES  # 64 ranks x 64 tickets of ~70 bytes: ~290 KiB
+    kept = decode_node_report(data, topo).util.ranks[0].tickets
+    assert 0 < len(kept) < 64 and list(kept) == list(tickets)[-len(kept) :]  # newest kept
+
+
+def test_rank_report_tickets_and_committed_are_validated() -> None:
+    rep = two_window_report()
+    msg = msgpack.unpackb(encode_rank_report(rep))
+    for bad, reason in (
+        ({"k": [["a", 1], ["a", 2]]}, "bad_field"),  # a controller twice
+        ({"k": [["", 1]]}, "bad_field"),
+        ({"k": [["x" * 65, 1]]}, "bad_field"),
+        ({"k": [["a", -1]]}, "bad_field"),
+        ({"k": [["a"]]}, "bad_field"),
+        ({"f": -1}, "bad_field"),
+        ({"g": [[None, 10, 1, 0, 16, 11]]}, "used_exceeds_total"),  # committed > total
+    ):
+        with pytest.raises(ReportError) as e:
+            decode_rank_report(msgpack.packb({**msg, **bad}), TOPO, windows=(None, 4096))
+        assert e.value.reason == reason, (bad, e.value)

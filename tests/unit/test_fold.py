@@ -106,7 +106,7 @@ def test_world_10_on_4_gpu_nodes() -> None:
     assert view.stale_ranks == view.dead_ranks == view.missing_ranks == ()
     node2 = views[2]
     assert (node2.rank_start, node2.rank_end) == (8, 10)
-    assert node2.gpu_total == BlockGauges(32, 17, 0, 4)  # ranks 8 and 9: 16 + 16, 8 + 9
+    assert node2.gpu_total == BlockGauges(32, 17, 0, 4, 17)  # ranks 8 and 9: 16 + 16, 8 + 9
     assert node2.num_ranks_missing == 0
 
 

@@ -10,6 +10,7 @@ import pytest
 from kvfold.aggregator.fold import fold_cluster, fold_node
 from kvfold.stats import SequenceStatus
 from kvfold.topology import Topology
+from kvfold.worker.commitments import Policy
 from kvfold.worker.engine import EngineRequest
 from kvfold.worker.hashing import block_keys
 from kvfold.workload.engine import SimEngine
@@ -38,10 +39,15 @@ def test_engine_prefills_decodes_and_frees() -> None:
 def test_engine_refuses_what_does_not_fit_and_holds_what_cannot_grow() -> None:
     cache = make_cache(num_blocks=3)
     eng = SimEngine(cache)
+    maxu = Policy.MAX_UTILIZATION
     r = eng.step(
-        [EngineRequest("a", list(range(8)), 10), EngineRequest("b", list(range(50, 58)), 5)]
+        [
+            EngineRequest("a", list(range(8)), 10, policy=maxu),  # commits 8 + 4 tokens: 3
+            EngineRequest("b", list(range(50, 58)), 5, policy=maxu),  # 3 more: over-commit
+        ]
     )
     assert r.admitted == ("a",) and r.refused == ("b",)
+    assert cache.num_refused == 1
     eng.step()
     r = eng.step(decode_tokens=8)  # 8 -> 16 tokens needs 4 blocks of 3
     assert r.on_hold == ("a",) and cache.status_of("a") is SequenceStatus.ON_HOLD

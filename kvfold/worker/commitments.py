@@ -1,0 +1,50 @@
+"""What a rank has promised: each sequence's declared length, and the blocks per window
+its sequences hold plus those they may still need to reach it (DESIGN §6).
+
+    GUARANTEED_NO_EVICT: a sequence is declared to reach prompt + max_new_tokens
+    MAX_UTILIZATION:     prompt + one block of growth (at most max_new_tokens);
+                         past that it grows while the rank has room, else it waits
+
+    committed[w] = used[w] + sum(blocks each sequence has still to take)   full attention
+                 = sum(most blocks each sequence holds at once, to its end) sliding window
+
+The cache refuses an add, or a growth past a sequence's declared end, that would
+make committed exceed total in some window; so a sequence growing within its
+declared end always finds its blocks (kvfold.worker.windows has the arithmetic).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from kvfold.checks import check_int
+
+
+class Policy(enum.Enum):
+    """What admitting a request promises (TensorRT-LLM's CapacitySchedulerPolicy)."""
+
+    GUARANTEED_NO_EVICT = "guaranteed_no_evict"  # it runs to its declared length
+    MAX_UTILIZATION = "max_utilization"  # its prompt and one block; growth may wait
+
+
+def declared_end(
+    prompt_tokens: int, max_new_tokens: int, policy: Policy, tokens_per_block: int
+) -> int:
+    """The length a sequence is promised it can reach without eviction."""
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a Policy, got {policy!r}")
+    check_int("max_new_tokens", max_new_tokens, 0)
+    if policy is Policy.GUARANTEED_NO_EVICT:
+        return prompt_tokens + max_new_tokens
+    return prompt_tokens + min(max_new_tokens, tokens_per_block)
+
+
+def as_policy(value: Policy | str) -> Policy:
+    """A Policy from itself or its value ("guaranteed_no_evict", "max_utilization")."""
+    if isinstance(value, Policy):
+        return value
+    try:
+        return Policy(value)
+    except ValueError:
+        names = [p.value for p in Policy]
+        raise ValueError(f"policy must be one of {names}, got {value!r}") from None

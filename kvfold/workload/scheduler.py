@@ -1,0 +1,127 @@
+"""ReplayScheduler: one scheduler of a replay, with its own admission controller, its own
+FIFO queue and its own view refreshes. Pure (the view source is passed in); a replay
+runs one in its own process, or N in N Ray actors (kvfold.cluster.scheduler_actor).
+
+Each step it takes the requests dealt to it, learns which of its requests finished
+or were refused by their rank, and decides its queue's head in order:
+
+    ADMIT  -> an admit for the chosen rank: (id, prompt, max_new_tokens, salt, policy, ticket)
+    REJECT -> dropped (it can never fit)
+    QUEUE  -> the pass stops (strict FIFO; docs/admission.md)
+
+A request its rank refused goes back to the head of the queue and is decided again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfold.admission import (
+    AdmissionController,
+    AdmissionRequest,
+    FifoAdmissionQueue,
+    Outcome,
+    Policy,
+)
+from kvfold.view import ClusterView
+from kvfold.worker.hashing import block_keys
+from kvfold.workload.requests import TraceRequest
+
+Admit = tuple[Any, ...]  # (seq_id, prompt, max_new_tokens, salt, policy value, ticket)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSettings:
+    tokens_per_block: int
+    policy: Policy = Policy.GUARANTEED_NO_EVICT
+    watermark_blocks: int = 0
+    refresh_interval_s: float = 0.025
+    prefix_affinity: bool = True
+    num_controllers: int = 1
+    name: str = "replay"
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one scheduler did in one step (summed by the replay's recorder)."""
+
+    admits: dict[int, list[Admit]] = field(default_factory=dict)
+    decisions: dict[str, int] = field(default_factory=dict)  # "outcome:reason" -> count
+    admitted: list[tuple[str, float]] = field(default_factory=list)  # (id, queueing delay)
+    rejected: int = 0
+    ever_queued: int = 0
+    queue_decisions: int = 0
+    queued: int = 0  # waiting after the step
+
+
+class ReplayScheduler:
+    def __init__(self, view_source: Callable[[], ClusterView], settings: SchedulerSettings) -> None:
+        self.settings = settings
+        self.controller = AdmissionController(
+            view_source,
+            policy=settings.policy,
+            watermark_blocks=settings.watermark_blocks,
+            refresh_interval_s=settings.refresh_interval_s,
+            num_controllers=settings.num_controllers,
+            controller_id=None,
+        )
+        self.by_id: dict[str, TraceRequest] = {}
+        self.asked: dict[str, AdmissionRequest] = {}  # built (keys hashed) once per request
+        self.queue: FifoAdmissionQueue[TraceRequest] = FifoAdmissionQueue(self._to_request)
+        self.arrived_step: dict[str, int] = {}
+
+    def _to_request(self, req: TraceRequest) -> AdmissionRequest:
+        made = self.asked.get(req.request_id)
+        if made is None:
+            B = self.settings.tokens_per_block
+            keys = tuple(block_keys(req.prompt, B)) if self.settings.prefix_affinity else ()
+            made = AdmissionRequest(req.request_id, req.prompt_tokens, req.max_new_tokens, keys)
+            self.asked[req.request_id] = made
+        return made
+
+    def step(
+        self,
+        arrivals: Sequence[TraceRequest],
+        refused: Sequence[str],
+        trace_now: float,
+        step: int,
+    ) -> StepOutcome:
+        """Take the new arrivals and the refusals, then decide the queue's head in order."""
+        for req in arrivals:
+            self.by_id[req.request_id] = req
+            self.queue.push(req)
+            self.arrived_step[req.request_id] = step
+        for rid in refused:  # nothing of it is at the rank: decide it again, first
+            self.controller.release(rid)
+        self.queue.push_front(self.by_id[rid] for rid in refused)
+        out = StepOutcome()
+        self.controller.refresh()
+        for req, d in self.queue.pump(self.controller.decide):
+            key = f"{d.outcome.value}:{d.reason}"
+            out.decisions[key] = out.decisions.get(key, 0) + 1
+            if d.outcome is Outcome.QUEUE:
+                out.queue_decisions += 1
+                continue
+            del self.asked[req.request_id]
+            if self.arrived_step.pop(req.request_id, step) < step:
+                out.ever_queued += 1  # it waited at least one step
+            if d.outcome is Outcome.REJECT:
+                out.rejected += 1
+                continue
+            assert d.rank is not None and d.policy is not None
+            out.admitted.append((req.request_id, max(0.0, trace_now - req.arrival_s)))
+            admit = (req.request_id, req.prompt, req.max_new_tokens, None, d.policy.value, d.ticket)
+            out.admits.setdefault(d.rank, []).append(admit)
+        out.queued = len(self.queue)
+        return out
+
+    def finished(self, request_ids: Sequence[str]) -> None:
+        """Requests done at their rank: forget them (the rank already released their blocks)."""
+        for rid in request_ids:
+            self.controller.release(rid)  # a no-op once the rank showed its ticket
+            self.by_id.pop(rid, None)
+
+    def decisions(self) -> dict[str, int]:
+        return {f"{o}:{r}": n for (o, r), n in self.controller.decisions.items()}

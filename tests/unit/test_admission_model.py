@@ -1,0 +1,213 @@
+"""Model-based: controllers admitting into real rank caches through stale views.
+
+Random sequences of decisions, placements (delivered late, in each controller's
+order), growth in random steps up to the declared length, releases, rank reports
+taken at random moments and view refreshes, with prompts that share prefixes, on a
+full-attention pool and a sliding window. The promises checked after every step:
+
+- every rank's committed blocks recount exactly and never exceed its total;
+- under GUARANTEED_NO_EVICT every placed request reaches its declared length;
+- with one controller under GUARANTEED_NO_EVICT the rank never refuses a placement;
+- under MAX_UTILIZATION a placed request always gets its first block of growth.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvfold.admission import AdmissionController, AdmissionRequest, Decision, Outcome, Policy
+from kvfold.aggregator.fold import fold_cluster, fold_node
+from kvfold.stats import RankReport
+from kvfold.topology import Topology
+from kvfold.view import ClusterView
+from kvfold.worker import PagedKVCache
+from kvfold.worker.tickets import TicketBook
+from tests.unit.builders import make_cache
+
+B = 4
+WINDOWS = (None, 12)
+TOPO = Topology(3, 2)  # two nodes, the second partial
+
+
+@dataclass
+class Placed:
+    rank: int
+    tokens: int
+    end: int  # declared length
+    first_block_end: int  # MAX_UTILIZATION: what growth is promised
+
+
+class AdmissionModel(RuleBasedStateMachine):
+    num_controllers = 1
+    policy = Policy.GUARANTEED_NO_EVICT
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.caches: dict[int, PagedKVCache] = {
+            r: make_cache(num_blocks={None: 14, 12: 8}, windows=WINDOWS, tokens_per_block=B)
+            for r in range(TOPO.world_size)
+        }
+        self.books = {r: TicketBook() for r in self.caches}
+        self.reports: dict[int, RankReport] = {}
+        self.version = 0
+        self.view: ClusterView | None = None
+        for r in self.caches:
+            self._report(r)
+        self.ctls = [
+            AdmissionController(
+                self.current_view,
+                policy=self.policy,
+                refresh_interval_s=1e9,
+                num_controllers=self.num_controllers,
+                reservation_ttl_s=1e9,
+            )
+            for _ in range(self.num_controllers)
+        ]
+        for c in self.ctls:
+            c.refresh(force=True)
+        self.pending: list[deque[tuple[str, list[int], int, Decision]]] = [
+            deque() for _ in self.ctls
+        ]
+        self.placed: dict[str, Placed] = {}
+        self.next_id = 0
+        self.admitted = 0
+
+    def current_view(self) -> ClusterView:
+        assert self.view is not None
+        return self.view
+
+    def _report(self, r: int) -> None:
+        cache = self.caches[r]
+        stats = cache.stats()
+        self.version += 1
+        self.reports[r] = RankReport(
+            rank=r,
+            incarnation=1,
+            seq=self.version,
+            gpu=dict(stats.windows),
+            deltas={},
+            num_sequences_by_status=dict(stats.num_sequences_by_status),
+            tickets=self.books[r].snapshot(),
+            num_refused=cache.num_refused,
+        )
+        nodes = {
+            n: fold_node(
+                TOPO, n, {q: self.reports[q] for q in TOPO.ranks_on(n) if q in self.reports}, None
+            )
+            for n in range(TOPO.num_nodes)
+        }
+        self.view = fold_cluster(TOPO, nodes, version=self.version)
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(
+        c=st.integers(0, 3),
+        prefix=st.integers(0, 2),
+        prompt=st.integers(1, 24),
+        max_new=st.integers(0, 24),
+    )
+    def decide(self, c: int, prefix: int, prompt: int, max_new: int) -> None:
+        c %= len(self.ctls)
+        self.next_id += 1
+        rid = f"q{self.next_id}"
+        # three families of prompts that share their first blocks
+        tokens = [prefix * 1000 + i for i in range(min(prompt, 12))]
+        tokens += [self.next_id * 100 + i for i in range(prompt - len(tokens))]
+        d = self.ctls[c].decide(AdmissionRequest(rid, prompt, max_new))
+        if d.outcome is Outcome.ADMIT:
+            self.pending[c].append((rid, tokens, max_new, d))
+            self.admitted += 1
+
+    @rule(c=st.integers(0, 3))
+    def deliver(self, c: int) -> None:
+        c %= len(self.ctls)
+        if not self.pending[c]:
+            return
+        rid, tokens, max_new, d = self.pending[c].popleft()
+        assert d.rank is not None and d.policy is not None
+        cache = self.caches[d.rank]
+        ok = cache.add_sequence(rid, tokens, max_new_tokens=max_new, policy=d.policy)
+        self.books[d.rank].take(d.ticket)
+        if self.num_controllers == 1 and self.policy is Policy.GUARANTEED_NO_EVICT:
+            assert ok, f"rank {d.rank} refused {rid}: one controller over-committed it"
+        if ok:
+            end = len(tokens) + max_new
+            self.placed[rid] = Placed(d.rank, len(tokens), end, len(tokens) + min(max_new, B))
+        else:
+            self.ctls[c].release(rid)
+
+    @rule(pick=st.integers(0, 10**6), n=st.integers(1, 9))
+    def grow(self, pick: int, n: int) -> None:
+        if not self.placed:
+            return
+        rid = sorted(self.placed)[pick % len(self.placed)]
+        p = self.placed[rid]
+        n = min(n, p.end - p.tokens)
+        if n == 0:
+            return
+        ok = self.caches[p.rank].append_tokens(rid, list(range(n)))
+        promised = p.end if self.policy is Policy.GUARANTEED_NO_EVICT else p.first_block_end
+        if p.tokens + n <= promised:
+            assert ok, f"{rid} refused growth {p.tokens} -> {p.tokens + n} within {promised}"
+        if ok:
+            p.tokens += n
+
+    @rule(pick=st.integers(0, 10**6))
+    def release(self, pick: int) -> None:
+        if not self.placed:
+            return
+        rid = sorted(self.placed)[pick % len(self.placed)]
+        self.caches[self.placed.pop(rid).rank].free_sequence(rid)
+
+    @rule(r=st.integers(0, TOPO.world_size - 1))
+    def report(self, r: int) -> None:
+        self._report(r)
+
+    @rule(c=st.integers(0, 3))
+    def refresh(self, c: int) -> None:
+        self.ctls[c % len(self.ctls)].refresh(force=True)
+
+    @rule(r=st.integers(0, TOPO.world_size - 1))
+    def report_and_refresh_all(self, r: int) -> None:
+        self._report(r)
+        for c in self.ctls:
+            c.refresh(force=True)
+
+    # ------------------------------------------------------------------ promises
+
+    @invariant()
+    def caches_recount_and_never_over_commit(self) -> None:
+        for cache in self.caches.values():
+            cache.check_integrity()  # committed recounts, used <= committed <= total
+
+    @precondition(lambda self: self.num_controllers == 1)
+    @invariant()
+    def one_controller_is_never_refused(self) -> None:
+        if self.policy is Policy.GUARANTEED_NO_EVICT:
+            assert all(c.num_refused == 0 for c in self.caches.values())
+
+
+class OneControllerGuaranteed(AdmissionModel):
+    pass
+
+
+class OneControllerMaxUtilization(AdmissionModel):
+    policy = Policy.MAX_UTILIZATION
+
+
+class ThreeControllersGuaranteed(AdmissionModel):
+    num_controllers = 3
+
+
+SETTINGS = settings(max_examples=60, stateful_step_count=50, deadline=None)
+TestOneControllerGuaranteed = OneControllerGuaranteed.TestCase
+TestOneControllerGuaranteed.settings = settings(SETTINGS, max_examples=200)
+TestOneControllerMaxUtilization = OneControllerMaxUtilization.TestCase
+TestOneControllerMaxUtilization.settings = SETTINGS
+TestThreeControllersGuaranteed = ThreeControllersGuaranteed.TestCase
+TestThreeControllersGuaranteed.settings = SETTINGS
