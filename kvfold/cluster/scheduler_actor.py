@@ -1,6 +1,10 @@
-"""SchedulerActor: a ReplayScheduler in its own process (a Ray actor), with its own
-client to the aggregator, so a replay runs N schedulers the way a fleet runs N
-router replicas: each refreshes its own views and admits into the same ranks."""
+"""Admission in processes of its own (Ray actors), each with its own client to the
+aggregator, the way a fleet runs N router replicas: each refreshes its own views and
+admits into the same ranks.
+
+    ControllerActor   an AdmissionController: decide / release (start_controllers)
+    SchedulerActor    a replay's scheduler: a controller and a FIFO queue (start_schedulers)
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,59 @@ from typing import Any
 
 import ray
 
+from kvfold.admission import AdmissionController, AdmissionRequest, Decision, Policy
 from kvfold.aggregator.client import KVFoldClient
 from kvfold.workload.requests import TraceRequest
 from kvfold.workload.scheduler import ReplayScheduler, SchedulerSettings, StepOutcome
+
+
+class ControllerActor:
+    def __init__(
+        self,
+        namespace: str,
+        policy: Policy,
+        num_controllers: int,
+        watermark_blocks: int = 0,
+        refresh_interval_s: float = 0.05,
+    ) -> None:
+        self.client = KVFoldClient(namespace=namespace)
+        self.controller = AdmissionController(
+            self.client,
+            policy=policy,
+            watermark_blocks=watermark_blocks,
+            refresh_interval_s=refresh_interval_s,
+            num_controllers=num_controllers,
+        )
+
+    def controller_id(self) -> str:
+        return self.controller.controller_id
+
+    def decide(self, request: AdmissionRequest) -> Decision:
+        return self.controller.decide(request)
+
+    def release(self, request_id: str) -> bool:
+        return self.controller.release(request_id)
+
+    def counts(self) -> dict[str, Any]:
+        p = self.controller.policy
+        return {
+            "decisions": {f"{o}:{r}": n for (o, r), n in self.controller.decisions.items()},
+            "unseen": len(p.reservations),
+            "settled": p.settled,
+            "expired": p.expired,
+            "view_error": self.controller.view_error,
+        }
+
+
+def start_controllers(
+    namespace: str, n: int, policy: Policy = Policy.GUARANTEED_NO_EVICT, **kwargs: Any
+) -> list[Any]:
+    """`n` ControllerActors sharing the ranks (each told there are `n`), each in its
+    own worker process."""
+    cls: Any = ray.remote(num_cpus=0, max_restarts=0)(ControllerActor)
+    actors = [cls.remote(namespace, policy, n, **kwargs) for _ in range(n)]
+    ray.get([a.controller_id.remote() for a in actors])
+    return actors
 
 
 class SchedulerActor:
