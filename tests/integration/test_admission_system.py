@@ -83,8 +83,7 @@ def expected_committed(live: list[Live]) -> tuple[int, int]:
     sequence holds and may still need to reach its declared length (or its length, past it)."""
     future = sum(ceil_div(max(s.promised, s.tokens), B) - ceil_div(s.tokens, B) for s in live)
     peak = sum(
-        max(window_blocks(n) for n in range(s.tokens, max(s.promised, s.tokens) + 1))
-        for s in live
+        max(window_blocks(n) for n in range(s.tokens, max(s.promised, s.tokens) + 1)) for s in live
     )
     return future, peak
 
