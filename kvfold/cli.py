@@ -173,8 +173,8 @@ def _replay_on(kv: Any, args: argparse.Namespace, workload: Any, stem: str, cfg:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvfold.cluster.replay import ReplayConfig
     from kvfold.workload.requests import shared_prefix_workload
+    from kvfold.workload.scheduler import ReplayConfig
 
     workload = shared_prefix_workload(
         num_requests=args.requests, duration_s=args.duration, seed=args.seed
@@ -185,7 +185,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from kvfold.admission import Policy
-    from kvfold.cluster.replay import ReplayConfig
+    from kvfold.workload.scheduler import ReplayConfig
     from kvfold.workload.traces import load_trace
 
     try:

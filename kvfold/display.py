@@ -22,6 +22,8 @@ def _gauges(g: BlockGauges) -> dict[str, Any]:
         "num_blocks_used": g.num_blocks_used,
         "num_blocks_cached": g.num_blocks_cached,
         "num_blocks_free": g.num_blocks_free,
+        "num_blocks_committed": g.num_blocks_committed,
+        "num_blocks_room": g.num_blocks_room,
         "usage": round(g.usage, 6),
     }
 
@@ -70,6 +72,8 @@ def node_to_dict(n: NodeUtilization, state: SourceState) -> dict[str, Any]:
                 "num_blocks_free": r.num_blocks_free,
                 "num_valid_sequences": r.num_valid_sequences,
                 "age_s": r.age_s,
+                "num_refused": r.num_refused,
+                "tickets": dict(r.tickets),
             }
             for r in n.ranks
         ],
@@ -129,9 +133,12 @@ def table_cells(view: ClusterView) -> tuple[list[str], list[list[str]], str]:
         row += [str(n.num_valid_sequences), f"{100 * n.counters.total.hit_rate_with_host:.1f}%"]
         rows.append(row)
     t, c = view.gpu_total, view.counters.total
+    refused = sum(r.num_refused for n in view.nodes for r in n.ranks)
     summary = (
         f"cluster v{view.version}: gpu {t.num_blocks_used}/{t.num_blocks_total} used "
-        f"({100 * t.usage:.1f}%), host {view.host.num_blocks_used}/{view.host.num_blocks_total}, "
+        f"({100 * t.usage:.1f}%), {t.num_blocks_committed} committed, "
+        f"{refused} placements refused, "
+        f"host {view.host.num_blocks_used}/{view.host.num_blocks_total}, "
         f"{view.num_valid_sequences} running, hit rate {100 * c.hit_rate:.1f}% "
         f"(+host {100 * c.hit_rate_with_host:.1f}%), stale ranks {list(view.stale_ranks)}, "
         f"dead ranks {list(view.dead_ranks)}"

@@ -8,6 +8,10 @@ restarts; an aggregator restart is a counter reset, as Prometheus expects.
 
     kvfold_gpu_blocks{node,window,state=used|cached|free}   gauge, last known per node
     kvfold_gpu_capacity_blocks{node,window}                   gauge
+    kvfold_gpu_committed_blocks{node,window}                  gauge, used + growth still owed
+    kvfold_rank_refused_placements{node}                      gauge, placements the node's ranks
+                                                              refused as over-commits (per
+                                                              incarnation; docs/admission.md)
     kvfold_cluster_gpu_blocks{window,state}                   gauge, fresh capacity only
     kvfold_host_blocks{node,state=used|evictable|free}        gauge
     kvfold_sequences{node,status}                             gauge
@@ -94,6 +98,16 @@ def _node_gauges(view: ClusterView) -> Iterator[Metric]:
     host = GaugeMetricFamily(
         "kvfold_host_blocks", "host-tier KV blocks by state", labels=["node", "state"]
     )
+    committed = GaugeMetricFamily(
+        "kvfold_gpu_committed_blocks",
+        "GPU KV blocks a node's sequences hold plus the growth they are still owed",
+        labels=["node", "window"],
+    )
+    refused = GaugeMetricFamily(
+        "kvfold_rank_refused_placements",
+        "placements the node's ranks refused because they would over-commit (last known)",
+        labels=["node"],
+    )
     seqs = GaugeMetricFamily("kvfold_sequences", "sequences by status", labels=["node", "status"])
     ranks = GaugeMetricFamily("kvfold_ranks", "ranks by freshness", labels=["node", "state"])
     nstate = GaugeMetricFamily(
@@ -108,19 +122,21 @@ def _node_gauges(view: ClusterView) -> Iterator[Metric]:
             nstate.add_metric([node, st.value], 1.0 if n.state is st else 0.0)
             ranks.add_metric([node, st.value], sum(1 for r in n.ranks if r.state is st))
         age.add_metric([node], view.age_s(n.node))
+        refused.add_metric([node], sum(r.num_refused for r in n.ranks))
         for w, g in n.gpu.items():
             wl = window_label(w)
             for state, value in (("used", g.num_blocks_used), ("cached", g.num_blocks_cached)):
                 gpu.add_metric([node, wl, state], value)
             gpu.add_metric([node, wl, "free"], g.num_blocks_free)
             cap.add_metric([node, wl], g.num_blocks_total)
+            committed.add_metric([node, wl], g.num_blocks_committed)
         if n.host is not None:
             host.add_metric([node, "used"], n.host.num_blocks_used)
             host.add_metric([node, "evictable"], n.host.num_blocks_evictable)
             host.add_metric([node, "free"], n.host.num_blocks_free)
         for status in SequenceStatus:
             seqs.add_metric([node, status.name.lower()], n.num_sequences_by_status.get(status, 0))
-    yield from (gpu, cap, host, seqs, ranks, nstate, age)
+    yield from (gpu, cap, committed, refused, host, seqs, ranks, nstate, age)
 
 
 def _cluster_gpu(view: ClusterView) -> Metric:

@@ -25,7 +25,9 @@ has nothing unseen (the rank's own check refuses a collision).
 
 Outcomes, checked in this order:
     QUEUE  no_fresh_capacity        no fresh rank at all (never an admit onto stale numbers)
-    REJECT exceeds_rank_capacity    no fresh rank could hold it empty (total - watermark_blocks)
+    REJECT exceeds_rank_capacity    no fresh rank could hold it at its full length, empty
+                                    (total - watermark_blocks; under either policy: a
+                                    request that can never finish is never admitted)
     ADMIT  fits | fits_prefix       the rank with the longest known prefix, then the most room
     QUEUE  insufficient_free_blocks fits a rank's total, not its room now
 """
@@ -51,6 +53,7 @@ from kvfold.worker.tickets import MAX_CONTROLLER_ID_CHARS, Ticket, check_control
 from kvfold.worker.windows import window_manager
 
 IntArray = npt.NDArray[np.int64]
+FRESH = SourceState.FRESH
 
 __all__ = [
     "AdmissionPolicy",
@@ -140,27 +143,36 @@ class CapacityIndex:
         self.world_size = n = view.world_size
         self.rank_to_node = np.asarray(view.rank_to_node, dtype=np.int64)
         fresh_ranks = [
-            r for node in view.fresh_nodes for r in node.ranks if r.state is SourceState.FRESH
+            r
+            for node in view.nodes
+            if node.state is FRESH
+            for r in node.ranks
+            if r.state is FRESH and r.gpu
         ]
         windows: set[Window] = set()
         tpb = 0
         for r in fresh_ranks:
-            if r.gpu:
-                windows.update(r.gpu)
-                tpb = tpb or next(iter(r.gpu.values())).tokens_per_block
+            windows.update(r.gpu)  # type: ignore[arg-type]
+            tpb = tpb or next(iter(r.gpu.values())).tokens_per_block  # type: ignore[union-attr]
         self.windows: tuple[Window, ...] = tuple(sorted(windows, key=window_sort_key))
         self.col = {w: i for i, w in enumerate(self.windows)}
         self.tokens_per_block = tpb
-        k = len(self.windows)
-        self.room: IntArray = np.zeros((k, n), dtype=np.int64)  # total - committed
-        self.total: IntArray = np.zeros((k, n), dtype=np.int64)
-        self.fresh = np.zeros(n, dtype=bool)
+        room = [[0] * n for _ in self.windows]  # total - max(committed, used)
+        total = [[0] * n for _ in self.windows]
+        fresh = [False] * n
         for r in fresh_ranks:
-            self.fresh[r.rank] = True
-            for w, g in (r.gpu or {}).items():
+            fresh[r.rank] = True
+            for w, g in r.gpu.items():  # type: ignore[union-attr]
                 i = self.col[w]
-                self.room[i, r.rank] = g.num_blocks_room
-                self.total[i, r.rank] = g.num_blocks_total
+                used = g.num_blocks_committed
+                if used < g.num_blocks_used:
+                    used = g.num_blocks_used
+                room[i][r.rank] = g.num_blocks_total - used
+                total[i][r.rank] = g.num_blocks_total
+        k = len(self.windows)
+        self.room: IntArray = np.array(room, dtype=np.int64).reshape(k, n)
+        self.total: IntArray = np.array(total, dtype=np.int64).reshape(k, n)
+        self.fresh = np.array(fresh, dtype=bool)
         # the highest ticket of this controller each rank has shown, whatever its state
         self.seen: dict[int, int] = {}
         for node in view.nodes:
@@ -208,6 +220,7 @@ class AdmissionPolicy:
         self._capacity: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._key_to_rank: OrderedDict[bytes, int] = OrderedDict()
         self._affinity_keys = affinity_keys
+        self._rng = np.random.default_rng(list(self.controller_id.encode()))
 
     # ---------------------------------------------------------------- views
 
@@ -224,9 +237,12 @@ class AdmissionPolicy:
         # fresh ranks' capacity less the watermark; -1 for ranks that are not candidates
         self._capacity = np.where(idx.fresh, idx.total - self.watermark_blocks, -1)
         if old is None or old.windows != idx.windows or old.world_size != idx.world_size:
-            self.reserved = np.zeros_like(idx.room)
+            self.reserved = reserved = np.zeros_like(idx.room)
             for res in self.reservations.values():
-                self._add(res, +1)
+                for w, n in res.blocks.items():
+                    i = idx.col.get(w)
+                    if i is not None:
+                        reserved[i, res.rank] += n
         self._room = self._lease(idx) - self.reserved
         self.expire(now_s)
 
@@ -242,9 +258,9 @@ class AdmissionPolicy:
         reserved = self.reserved
         for rank, queue in self.by_rank.items():
             top = seen.get(rank, 0)
-            while queue and queue[0].ticket <= top:
+            while queue and (queue[0].ticket <= top or not queue[0].live):
                 res = queue.popleft()
-                if not res.live:
+                if not res.live:  # released or expired before its rank showed it
                     continue
                 res.live = False
                 del self.reservations[res.request_id]
@@ -314,17 +330,29 @@ class AdmissionPolicy:
             self.capacity_policy,
         )
         need_col = np.asarray([need[w] for w in idx.windows], dtype=np.int64)[:, None]
-        could: npt.NDArray[np.bool_] = np.all(self._capacity >= need_col, axis=0)
+        whole = need_col  # what it holds at its full length: it must fit some rank, empty
+        if self.capacity_policy is not Policy.GUARANTEED_NO_EVICT:
+            full = blocks_needed(
+                request.prompt_tokens,
+                request.max_new_tokens,
+                idx.windows,
+                idx.tokens_per_block,
+                Policy.GUARANTEED_NO_EVICT,
+            )
+            whole = np.asarray([full[w] for w in idx.windows], dtype=np.int64)[:, None]
+        could: npt.NDArray[np.bool_] = np.all(self._capacity >= whole, axis=0)
         if not could.any():
             return Decision(Outcome.REJECT, "exceeds_rank_capacity", version, blocks=need)
         room = self._room
         fits: npt.NDArray[np.bool_] = could & np.all(room >= need_col, axis=0)
+        overflow = False
         if not fits.any() and self.num_controllers > 1:
             room = self._whole_room_where_no_lease_fits(idx, need_col)
             fits = could & np.all(room >= need_col, axis=0)
+            overflow = True
         if not fits.any():
             return Decision(Outcome.QUEUE, "insufficient_free_blocks", version, blocks=need)
-        rank, by_prefix = self._choose(request, fits, room)
+        rank, by_prefix = self._choose(request, fits, room, overflow)
         self.last_ticket += 1
         res = Reservation(request.request_id, rank, self.last_ticket, need, now_s)
         self.reservations[request.request_id] = res
@@ -351,9 +379,15 @@ class AdmissionPolicy:
         return np.where(larger & ~mine, whole, -1)
 
     def _choose(
-        self, request: AdmissionRequest, fits: npt.NDArray[np.bool_], room: IntArray
+        self,
+        request: AdmissionRequest,
+        fits: npt.NDArray[np.bool_],
+        room: IntArray,
+        overflow: bool = False,
     ) -> tuple[int, bool]:
-        """Longest known prefix first; then the most room in the tightest window."""
+        """Longest known prefix first; then the most room in the tightest window (beyond
+        a lease, any rank that fits, at random: controllers that all overflow at once
+        would otherwise all pick the same roomiest rank)."""
         if request.prefix_keys:
             best, best_len = -1, 0
             for i, key in enumerate(request.prefix_keys):
@@ -364,6 +398,8 @@ class AdmissionPolicy:
                     best, best_len = r, i + 1
             if best >= 0:
                 return best, True
+        if overflow:
+            return int(self._rng.choice(np.flatnonzero(fits))), False
         slack = np.where(fits, room.min(axis=0), -1)
         return int(slack.argmax()), False
 

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import ray
 
 from kvfold.admission import Policy
-from kvfold.checks import check_int, check_positive
 from kvfold.cluster.handle import KVFold
 from kvfold.cluster.scheduler_actor import start_schedulers
 from kvfold.errors import KVFoldError
@@ -32,36 +30,20 @@ from kvfold.view import ClusterView
 from kvfold.worker.engine import StepResult
 from kvfold.workload.recorder import ReplayRecorder, sample_view
 from kvfold.workload.requests import TraceRequest
-from kvfold.workload.scheduler import Admit, SchedulerSettings, StepOutcome
+from kvfold.workload.scheduler import Admit, ReplayConfig, SchedulerSettings, StepOutcome
 
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    time_scale: float = 1.0
-    step_interval_s: float = 0.05
-    decode_tokens_per_s: float = 40.0  # per running sequence, in trace time
-    sample_interval_s: float = 0.25
-    policy: Policy = Policy.GUARANTEED_NO_EVICT
-    watermark_blocks: int = 0
-    max_wall_s: float | None = None
-    prefix_affinity: bool = True
-    schedulers: int = 1  # schedulers, each in its own process, sharing the ranks
-    leases: bool = True  # each scheduler promises only its share of a rank's room
-
-    def __post_init__(self) -> None:
-        for name in ("time_scale", "step_interval_s", "decode_tokens_per_s", "sample_interval_s"):
-            check_positive(name, getattr(self, name))
-        check_int("schedulers", self.schedulers, 1)
+__all__ = ["ReplayConfig", "replay"]
 
 
 def replay(
     kv: KVFold,
     workload: Sequence[TraceRequest],
-    config: ReplayConfig = ReplayConfig(),
+    config: ReplayConfig | None = None,
     on_sample: Callable[[ClusterView, ReplayRecorder, float], None] | None = None,
 ) -> ReplayRecorder:
     """Replay `workload` on `kv` until every request completed or was rejected (or
     `max_wall_s` passed); returns what was recorded."""
+    config = config or ReplayConfig()
     run = _Replay(kv, workload, config)
     while True:
         wall, trace_now = run.clock()
@@ -174,8 +156,9 @@ class _Replay:
         guaranteed = self.config.policy is Policy.GUARANTEED_NO_EVICT
         for res in results:
             rec.decode_stalls += len(res.on_hold)
-            if guaranteed:
-                rec.overcommits += len(res.on_hold)  # a promise to run to the end, broken
+            rec.preemptions += len(res.preempted)
+            if guaranteed:  # a promise to run to the end without eviction, broken
+                rec.overcommits += len(res.on_hold) + len(res.preempted)
             for sid in res.finished:
                 rid = str(sid)
                 self.in_flight.pop(rid, None)

@@ -41,6 +41,7 @@ class StepResult:
     on_hold: tuple[SeqId, ...]  # could not grow this step
     num_running: int
     decoded_tokens: int
+    preempted: tuple[SeqId, ...] = ()  # blocks released, to be recomputed when they fit
 
 
 class Engine(Protocol):

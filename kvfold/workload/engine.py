@@ -2,7 +2,10 @@
 
 Each `step(admits)`:
   1. every running sequence decodes one token (a sequence with no room to grow
-     is put ON_HOLD, keeping its blocks, and retried next step);
+     is put ON_HOLD, keeping its blocks, and retried next step); when no running
+     sequence could move at all, the newest one held is preempted: its blocks are
+     released (QUEUEING) and it is recomputed, prompt and tokens so far, as soon as
+     it fits again (vLLM's recompute preemption; only MAX_UTILIZATION gets here);
   2. sequences that produced their last token are freed;
   3. admitted requests are added (prefill) with their declared length; one that
      would over-commit the rank is refused (kvfold.worker.commitments).
@@ -13,6 +16,7 @@ policy: which request goes to which rank is the scheduler's decision.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,6 +34,8 @@ class SimEngine:
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
         self.remaining: dict[SeqId, int] = {}  # new tokens still to produce
+        self.requests: dict[SeqId, EngineRequest] = {}  # what each running one was placed as
+        self.preempted: deque[tuple[EngineRequest, int, int]] = deque()  # (req, length, left)
 
     def step(self, admits: Sequence[EngineRequest] = (), decode_tokens: int = 1) -> StepResult:
         """One engine step; each running sequence decodes up to `decode_tokens` tokens
@@ -41,6 +47,9 @@ class SimEngine:
                     f"max_new_tokens must be >= 1, got {req.max_new_tokens} ({req.seq_id!r})"
                 )
         finished, on_hold, decoded = self._decode(decode_tokens)
+        preempted = self._preempt(on_hold) if on_hold and not (decoded or finished) else []
+        if not preempted:  # the others move first: resuming now would undo the preemption
+            self._resume()
         admitted, refused = self._admit(admits)
         return StepResult(
             admitted=tuple(admitted),
@@ -49,7 +58,35 @@ class SimEngine:
             on_hold=tuple(on_hold),
             num_running=len(self.remaining),
             decoded_tokens=decoded,
+            preempted=tuple(preempted),
         )
+
+    def _preempt(self, on_hold: list[SeqId]) -> list[SeqId]:
+        """Nothing could move: release the newest held sequence's blocks, to recompute."""
+        sid = on_hold[-1]
+        length = self.cache.num_tokens(sid)
+        self.cache.set_status(sid, SequenceStatus.QUEUEING)
+        self.preempted.append((self.requests.pop(sid), length, self.remaining.pop(sid)))
+        return [sid]
+
+    def _resume(self) -> None:
+        """Recompute preempted sequences, oldest first, while they fit."""
+        while self.preempted:
+            req, length, left = self.preempted[0]
+            start = len(req.prompt)
+            redo = np.concatenate(
+                [
+                    np.asarray(req.prompt, dtype=np.int64),
+                    (np.arange(start, length, dtype=np.int64) * 7919) % VOCAB,
+                ]
+            )
+            if not self.cache.add_sequence(
+                req.seq_id, redo, salt=req.salt, max_new_tokens=left, policy=req.policy
+            ):
+                return
+            self.preempted.popleft()
+            self.remaining[req.seq_id] = left
+            self.requests[req.seq_id] = req
 
     def _decode(self, decode_tokens: int) -> tuple[list[SeqId], list[SeqId], int]:
         """Every running sequence takes its step; returns (finished, on hold, tokens)."""
@@ -74,6 +111,7 @@ class SimEngine:
             if left <= 0:
                 cache.free_sequence(sid)
                 del self.remaining[sid]
+                del self.requests[sid]
                 finished.append(sid)
             else:
                 self.remaining[sid] = left
@@ -92,6 +130,7 @@ class SimEngine:
             )
             if ok:
                 self.remaining[req.seq_id] = req.max_new_tokens
+                self.requests[req.seq_id] = req
                 admitted.append(req.seq_id)
             else:
                 refused.append(req.seq_id)
@@ -105,4 +144,8 @@ class SimEngine:
         """Free every sequence the engine holds."""
         for sid in list(self.remaining):
             self.cache.free_sequence(sid)
+        for req, _, _ in self.preempted:
+            self.cache.free_sequence(req.seq_id)
         self.remaining.clear()
+        self.requests.clear()
+        self.preempted.clear()

@@ -79,6 +79,7 @@ class ReplayRecorder:
     rank_refusals: int = 0  # placements a rank refused: they would have over-committed it
     overcommits: int = 0  # GUARANTEED_NO_EVICT sequences that could not grow: must be 0
     decode_stalls: int = 0  # a running sequence could not grow in a step
+    preemptions: int = 0  # sequences whose blocks were released, to be recomputed
     admitted_tokens: int = 0  # prompt + max new tokens of every completed request
     last_completion_trace_s: float = 0.0
     queue_delays_s: list[float] = field(default_factory=list)  # trace seconds
@@ -130,6 +131,7 @@ class ReplayRecorder:
             "rank_refusals": self.rank_refusals,
             "rank_refusal_rate": self.rank_refusals / max(1, self.admitted + self.rank_refusals),
             "decode_stalls": self.decode_stalls,
+            "preemptions": self.preemptions,
             "peak_node_gpu_usage": max(peak, default=0.0),
             "mean_gpu_usage": statistics.fmean(used) if used else 0.0,
             "admitted_tokens": self.admitted_tokens,
@@ -157,7 +159,7 @@ class ReplayRecorder:
                 f"schedulers {s['schedulers']}: over-commits {s['overcommits']} (must be 0), "
                 f"rank refusals {s['rank_refusals']} "
                 f"({100 * s['rank_refusal_rate']:.2f}% of placements), "
-                f"decode stalls {s['decode_stalls']}",
+                f"decode stalls {s['decode_stalls']}, preemptions {s['preemptions']}",
                 f"GPU usage mean {100 * s['mean_gpu_usage']:.1f}%, peak node "
                 f"{100 * s['peak_node_gpu_usage']:.1f}%; work {s['work_tokens_per_trace_s']:.0f} "
                 f"tokens per trace s; wall {s['wall_s']:.1f} s",

@@ -25,11 +25,33 @@ from kvfold.admission import (
     Outcome,
     Policy,
 )
+from kvfold.checks import check_int, check_positive
 from kvfold.view import ClusterView
 from kvfold.worker.hashing import block_keys
 from kvfold.workload.requests import TraceRequest
 
 Admit = tuple[Any, ...]  # (seq_id, prompt, max_new_tokens, salt, policy value, ticket)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How a replay runs (kvfold.cluster.replay); importing it does not import Ray."""
+
+    time_scale: float = 1.0
+    step_interval_s: float = 0.05
+    decode_tokens_per_s: float = 40.0  # per running sequence, in trace time
+    sample_interval_s: float = 0.25
+    policy: Policy = Policy.GUARANTEED_NO_EVICT
+    watermark_blocks: int = 0
+    max_wall_s: float | None = None
+    prefix_affinity: bool = True
+    schedulers: int = 1  # schedulers, each in its own process, sharing the ranks
+    leases: bool = True  # each scheduler promises only its share of a rank's room
+
+    def __post_init__(self) -> None:
+        for name in ("time_scale", "step_interval_s", "decode_tokens_per_s", "sample_interval_s"):
+            check_positive(name, getattr(self, name))
+        check_int("schedulers", self.schedulers, 1)
 
 
 @dataclass(frozen=True, slots=True)

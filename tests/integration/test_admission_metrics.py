@@ -54,7 +54,9 @@ def test_metrics_endpoint_is_local_and_matches_the_view(kv) -> None:  # type: ig
             assert m["kvfold_gpu_blocks"][key] == g.num_blocks_used
             cap = (("node", str(n.node)), ("window", window_label(w)))
             assert m["kvfold_gpu_capacity_blocks"][cap] == g.num_blocks_total
+            assert m["kvfold_gpu_committed_blocks"][cap] == g.num_blocks_committed
         assert m["kvfold_host_blocks"][(("node", str(n.node)), ("state", "free"))] == 256
+        assert m["kvfold_rank_refused_placements"][(("node", str(n.node)),)] == 0
         fresh = (("node", str(n.node)), ("state", "fresh"))
         assert m["kvfold_ranks"][fresh] == 2
     missed = m["kvfold_blocks_total"][(("kind", "missed"), ("node", "0"), ("window", "full"))]

@@ -233,3 +233,13 @@ def test_bad_requests_and_arguments() -> None:
         AdmissionController(lambda: None, num_controllers=0)
     with pytest.raises(ValueError, match="controller id"):
         AdmissionController(lambda: None, controller_id="x" * 65)
+
+
+def test_max_utilization_never_admits_what_can_never_finish() -> None:
+    topo = Topology(1, 1)
+    ctl = AdmissionController(lambda: make_view(topo, total=20), policy=MAXU)
+    # the prompt and one block fit (9 blocks), but 36 + 60 tokens (24 blocks) never would
+    d = ctl.decide(AdmissionRequest("long", 36, 60))
+    assert (d.outcome, d.reason) == (Outcome.REJECT, "exceeds_rank_capacity")
+    d = ctl.decide(AdmissionRequest("fits", 36, 40))  # 19 blocks at its full length
+    assert d.outcome is Outcome.ADMIT and d.blocks == {None: 10}  # it is promised 36 + 4

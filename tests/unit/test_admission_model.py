@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfold.admission import AdmissionController, AdmissionRequest, Decision, Outcome, Policy
-from kvfold.aggregator.fold import fold_cluster, fold_node
+from kvfold.aggregator.fold import RankRecord, fold_cluster, fold_node
 from kvfold.stats import RankReport
 from kvfold.topology import Topology
-from kvfold.view import ClusterView
+from kvfold.view import ClusterView, SourceState
 from kvfold.worker import PagedKVCache
 from kvfold.worker.tickets import TicketBook
 from tests.unit.builders import make_cache
@@ -54,6 +54,7 @@ class AdmissionModel(RuleBasedStateMachine):
         }
         self.books = {r: TicketBook() for r in self.caches}
         self.reports: dict[int, RankReport] = {}
+        self.silent: set[int] = set()  # ranks the views show stale until they report again
         self.version = 0
         self.view: ClusterView | None = None
         for r in self.caches:
@@ -95,9 +96,22 @@ class AdmissionModel(RuleBasedStateMachine):
             tickets=self.books[r].snapshot(),
             num_refused=cache.num_refused,
         )
+        self.silent.discard(r)
+        self._fold()
+
+    def _fold(self) -> None:
+        self.version += 1
+        stale = SourceState.STALE
         nodes = {
             n: fold_node(
-                TOPO, n, {q: self.reports[q] for q in TOPO.ranks_on(n) if q in self.reports}, None
+                TOPO,
+                n,
+                {
+                    q: RankRecord(self.reports[q], stale if q in self.silent else None)
+                    for q in TOPO.ranks_on(n)
+                    if q in self.reports
+                },
+                None,
             )
             for n in range(TOPO.num_nodes)
         }
@@ -167,6 +181,12 @@ class AdmissionModel(RuleBasedStateMachine):
     @rule(r=st.integers(0, TOPO.world_size - 1))
     def report(self, r: int) -> None:
         self._report(r)
+
+    @rule(r=st.integers(0, TOPO.world_size - 1))
+    def go_stale(self, r: int) -> None:
+        """The rank falls silent: views show it stale (never a candidate) until it reports."""
+        self.silent.add(r)
+        self._fold()
 
     @rule(c=st.integers(0, 3))
     def refresh(self, c: int) -> None:

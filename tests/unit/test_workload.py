@@ -49,9 +49,31 @@ def test_engine_refuses_what_does_not_fit_and_holds_what_cannot_grow() -> None:
     assert r.admitted == ("a",) and r.refused == ("b",)
     assert cache.num_refused == 1
     eng.step()
-    r = eng.step(decode_tokens=8)  # 8 -> 16 tokens needs 4 blocks of 3
-    assert r.on_hold == ("a",) and cache.status_of("a") is SequenceStatus.ON_HOLD
+    r = eng.step(decode_tokens=4)  # 8 -> 12 tokens: within what was promised
+    assert r.decoded_tokens == 4 and not r.on_hold
     eng.drain()
+    assert cache.stats().total.num_blocks_used == 0
+
+
+def test_engine_preempts_when_nothing_can_move_and_recomputes_later() -> None:
+    cache = make_cache(num_blocks=5)
+    eng = SimEngine(cache)
+    maxu = Policy.MAX_UTILIZATION
+    a = EngineRequest("a", list(range(8)), 6, policy=maxu)  # 8 + 4 tokens: commits 3 blocks
+    b = EngineRequest("b", list(range(100, 103)), 9, policy=maxu)  # 3 + 4 tokens: 2 blocks
+    assert eng.step([a, b]).admitted == ("a", "b")
+    eng.step()  # both prefilled
+    r = eng.step(decode_tokens=8)  # a needs a 4th block, b a 3rd: 6 > 5 committed
+    assert r.on_hold == ("a", "b") and r.preempted == ("b",)
+    assert cache.status_of("b") is SequenceStatus.QUEUEING
+    assert cache.stats().windows[None].num_blocks_committed == 3  # b's blocks are back
+    done: list[str] = []
+    for _ in range(10):
+        r = eng.step(decode_tokens=8)
+        assert not r.preempted or r.preempted == ("b",)
+        done += [str(s) for s in r.finished]
+        cache.check_integrity()
+    assert done == ["a", "b"]  # a ran on; b was recomputed once a finished, then finished
     assert cache.stats().total.num_blocks_used == 0
 
 

@@ -1,0 +1,125 @@
+"""One scheduler against four in four processes, on the same trace and the same cluster.
+
+Replays ../shared/traces/synthetic_trace.jsonl (the first --limit requests) on an
+embedded cluster (3 nodes x 4 simulated GPUs, world size 10) with 1 scheduler, then
+with 4 holding leases, then with 4 optimistic ones (no leases: the rank's refusal is
+the only guard). Targets: over-commits 0; with 4 schedulers, rank refusals <= 1% of
+placements, and the work done per trace second within 10% of the single scheduler's
+(the baseline, measured in the same run).
+
+    python benchmarks/bench_replay_schedulers.py [--limit N] [--time-scale X]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _report import info, report
+
+from kvfold.cluster import launch, start_local_cluster  # before Ray: the cluster stays closed
+from kvfold.workload.scheduler import ReplayConfig
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+ROWS = (
+    ("schedulers", "{:d}"),
+    ("leases", "{}"),
+    ("admitted", "{:d}"),
+    ("overcommits", "{:d}"),
+    ("rank_refusals", "{:d}"),
+    ("queue_delay_p50_s", "{:.1f}"),
+    ("queue_delay_p99_s", "{:.1f}"),
+    ("mean_gpu_usage", "{:.3f}"),
+    ("work_tokens_per_trace_s", "{:.0f}"),
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=1500)
+    ap.add_argument("--time-scale", type=float, default=20.0)
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    if not TRACE.exists():
+        print(f"needs the shared trace at {TRACE}")
+        return
+    from kvfold.worker import KVCacheConfig
+    from kvfold.workload.traces import load_mooncake
+
+    workload = load_mooncake(TRACE, limit=args.limit)
+    cluster = start_local_cluster(3, 4)
+    from kvfold.cluster.replay import replay  # imports Ray: after the cluster is configured
+
+    rows = []
+    try:
+        cache = KVCacheConfig(
+            tokens_per_block=64,
+            num_blocks=4096,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=8,
+            dtype="float16",
+            device="auto",
+        )
+        kv = launch(10, 4, cache=cache, host_num_blocks=1024)
+        try:
+            for n, leases in ((1, True), (4, True), (4, False)):
+                cfg = ReplayConfig(
+                    time_scale=args.time_scale,
+                    decode_tokens_per_s=40.0,
+                    schedulers=n,
+                    leases=leases,
+                )
+                s = replay(kv, workload, cfg).summary()
+                s["leases"] = leases
+                rows.append(s)
+                print(" ".join(f"{k} {fmt.format(s[k])}" for k, fmt in ROWS), flush=True)
+        finally:
+            kv.shutdown()
+    finally:
+        cluster.shutdown()
+    one, leased, optimistic = rows
+    for s in rows:
+        report(
+            f"over-commits, {s['schedulers']} scheduler(s), leases {s['leases']}",
+            s["overcommits"],
+            "",
+            0,
+        )
+    placements = leased["admitted"] + leased["rank_refusals"]
+    report(
+        "rank refusals / placements, 4 schedulers with leases",
+        100 * leased["rank_refusals"] / max(1, placements),
+        "%",
+        1.0,
+    )
+    info(
+        "rank refusals / placements, 4 optimistic schedulers",
+        100
+        * optimistic["rank_refusals"]
+        / max(1, optimistic["admitted"] + optimistic["rank_refusals"]),
+        "%",
+    )
+    base = one["work_tokens_per_trace_s"] or 1.0
+    report(
+        "work per trace s, 4 schedulers with leases / 1 scheduler",
+        leased["work_tokens_per_trace_s"] / base,
+        "x",
+        0.9,
+        lower_is_better=False,
+    )
+    info(
+        "work per trace s, 4 optimistic schedulers / 1 scheduler",
+        optimistic["work_tokens_per_trace_s"] / base,
+        "x",
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
