@@ -372,7 +372,9 @@ class AdmissionPolicy:
 
     def _whole_room_where_no_lease_fits(self, idx: CapacityIndex, need_col: IntArray) -> IntArray:
         """For a request larger than a lease: a rank's whole room, on ranks where it is
-        larger than the lease and this controller has nothing unseen (-1 elsewhere)."""
+        larger than the lease and this controller has nothing unseen (-1 elsewhere).
+        Another controller may promise the same blocks before the next report: the
+        rank's own check refuses the collision."""
         whole = idx.room - self.watermark_blocks
         larger = np.any(self._lease(idx) < need_col, axis=0)
         mine = np.any(self.reserved != 0, axis=0)

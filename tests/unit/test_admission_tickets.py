@@ -201,11 +201,13 @@ def test_leases_split_each_rank_among_controllers() -> None:
         assert c.policy.promised(0)[None] == 18  # 3 x 6 within a lease of 20
     assert promised <= 80
     # a request larger than any lease may take the whole room where this controller
-    # has nothing unseen; only one such promise per rank and view
+    # has nothing unseen (one such promise per rank and view); a small one never
+    # leaves its lease
     big = AdmissionController(lambda: view, num_controllers=4)
     d = big.decide(AdmissionRequest("big", 200, 0))  # 50 blocks > a lease of 20
     assert d.outcome is Outcome.ADMIT
     assert big.decide(AdmissionRequest("big2", 200, 0)).outcome is Outcome.QUEUE
+    assert big.decide(AdmissionRequest("mid", 100, 0)).outcome is Outcome.QUEUE
     assert big.decide(AdmissionRequest("small", 4, 0)).outcome is Outcome.QUEUE
 
 
