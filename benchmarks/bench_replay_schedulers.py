@@ -1,13 +1,17 @@
 """One scheduler against four in four processes, on the same trace and the same cluster.
 
 Replays ../shared/traces/synthetic_trace.jsonl (the first --limit requests) on an
-embedded cluster (3 nodes x 4 simulated GPUs, world size 10) with 1 scheduler, then
+embedded cluster (3 nodes x 4 simulated GPUs, world size 10, 4,096 blocks of 64 tokens
+per rank, as `kvfold replay` has them) with 1 scheduler, then
 with 4 holding leases, then with 4 optimistic ones (no leases: the rank's refusal is
 the only guard). Targets: over-commits 0; with 4 schedulers, rank refusals <= 1% of
 placements, and the work done per trace second within 10% of the single scheduler's
 (the baseline, measured in the same run).
 
-    python benchmarks/bench_replay_schedulers.py [--limit N] [--time-scale X]
+    python benchmarks/bench_replay_schedulers.py [--limit N] [--time-scale X] [--num-blocks N]
+
+The replay's trace clock follows the wall clock, so a machine busy with other work
+changes the arrivals it sees: run it on a quiet machine, and compare rows of one run.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ ROWS = (
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit", type=int, default=1500)
+    ap.add_argument("--limit", type=int, default=4000)
     ap.add_argument("--time-scale", type=float, default=20.0)
+    ap.add_argument("--num-blocks", type=int, default=4096, help="GPU blocks (64 tokens) per rank")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     if not TRACE.exists():
@@ -58,7 +63,7 @@ def main() -> None:
     try:
         cache = KVCacheConfig(
             tokens_per_block=64,
-            num_blocks=4096,
+            num_blocks=args.num_blocks,
             num_layers=1,
             num_kv_heads=1,
             head_dim=8,

@@ -38,13 +38,15 @@ import enum
 import os
 import secrets
 import socket
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
+from kvfold.admission.reservations import ReservationBook
 from kvfold.checks import check_int, check_positive
 from kvfold.stats import Window, window_sort_key
 from kvfold.view import ClusterView, SourceState
@@ -112,7 +114,10 @@ def blocks_needed(
 ) -> dict[Window, int]:
     """The most blocks each window group holds at once while the request grows from its
     prompt to its declared end (what the rank will count as its commitment)."""
-    end = declared_end(prompt_tokens, max_new_tokens, policy, tokens_per_block)
+    if policy is Policy.GUARANTEED_NO_EVICT:  # kvfold.worker.commitments.declared_end, inline
+        end = prompt_tokens + max_new_tokens
+    else:
+        end = declared_end(prompt_tokens, max_new_tokens, policy, tokens_per_block)
     return {w: window_manager(w, tokens_per_block).peak_blocks(prompt_tokens, end) for w in windows}
 
 
@@ -123,63 +128,55 @@ def new_controller_id(name: str = "") -> str:
     return f"{base[: MAX_CONTROLLER_ID_CHARS - 9]}-{secrets.token_hex(4)}"
 
 
-@dataclass(slots=True)
-class Reservation:
-    """Blocks promised to `rank` for a request the rank has not shown yet."""
-
-    request_id: str
-    rank: int
-    ticket: int
-    blocks: dict[Window, int]
-    made_at_s: float
-    live: bool = True  # False once released or settled (left in its rank's queue)
-
-
 class CapacityIndex:
-    """Per-rank capacity of one view as arrays, so a decision is a few vector ops."""
+    """Per-rank capacity of one view as arrays, so a decision is a few vector ops.
+    Built in one pass over the ranks (a refresh at 1,024 ranks is on the hot path)."""
 
     def __init__(self, view: ClusterView, controller_id: str) -> None:
         self.version = view.version
         self.world_size = n = view.world_size
         self.rank_to_node = np.asarray(view.rank_to_node, dtype=np.int64)
-        fresh_ranks = [
-            r
-            for node in view.nodes
-            if node.state is FRESH
-            for r in node.ranks
-            if r.state is FRESH and r.gpu
-        ]
-        windows: set[Window] = set()
+        rooms: dict[Window, list[int]] = {}  # total - max(committed, used), per window
+        totals: dict[Window, list[int]] = {}
+        fresh = [False] * n
         tpb = 0
-        for r in fresh_ranks:
-            windows.update(r.gpu)  # type: ignore[arg-type]
-            tpb = tpb or next(iter(r.gpu.values())).tokens_per_block  # type: ignore[union-attr]
-        self.windows: tuple[Window, ...] = tuple(sorted(windows, key=window_sort_key))
+        seen: dict[int, int] = {}  # this controller's highest ticket each rank has shown
+        for node in view.nodes:
+            node_fresh = node.state is FRESH
+            for r in node.ranks:
+                if r.tickets:
+                    t = r.tickets.get(controller_id)
+                    if t:
+                        seen[r.rank] = t
+                gpu = r.gpu
+                if not (node_fresh and gpu and r.state is FRESH):
+                    continue
+                rank = r.rank
+                fresh[rank] = True
+                for w, g in gpu.items():
+                    room = rooms.get(w)
+                    if room is None:
+                        room = rooms[w] = [0] * n
+                        totals[w] = [0] * n
+                        tpb = tpb or g.tokens_per_block
+                    held = g.num_blocks_committed
+                    if held < g.num_blocks_used:
+                        held = g.num_blocks_used
+                    room[rank] = g.num_blocks_total - held
+                    totals[w][rank] = g.num_blocks_total
+        self.windows: tuple[Window, ...] = tuple(sorted(rooms, key=window_sort_key))
         self.col = {w: i for i, w in enumerate(self.windows)}
         self.tokens_per_block = tpb
-        room = [[0] * n for _ in self.windows]  # total - max(committed, used)
-        total = [[0] * n for _ in self.windows]
-        fresh = [False] * n
-        for r in fresh_ranks:
-            fresh[r.rank] = True
-            for w, g in r.gpu.items():  # type: ignore[union-attr]
-                i = self.col[w]
-                used = g.num_blocks_committed
-                if used < g.num_blocks_used:
-                    used = g.num_blocks_used
-                room[i][r.rank] = g.num_blocks_total - used
-                total[i][r.rank] = g.num_blocks_total
+        self.managers = [window_manager(w, tpb) for w in self.windows]
         k = len(self.windows)
-        self.room: IntArray = np.array(room, dtype=np.int64).reshape(k, n)
-        self.total: IntArray = np.array(total, dtype=np.int64).reshape(k, n)
+        self.room: IntArray = np.array([rooms[w] for w in self.windows], dtype=np.int64)
+        self.total: IntArray = np.array([totals[w] for w in self.windows], dtype=np.int64)
+        self.room.shape = self.total.shape = (k, n)
         self.fresh = np.array(fresh, dtype=bool)
-        # the highest ticket of this controller each rank has shown, whatever its state
-        self.seen: dict[int, int] = {}
-        for node in view.nodes:
-            for r in node.ranks:
-                t = r.tickets.get(controller_id)
-                if t:
-                    self.seen[r.rank] = t
+        self.any_fresh = any(fresh)
+        self.seen: IntArray = np.zeros(n, dtype=np.int64)
+        if seen:
+            self.seen[list(seen)] = list(seen.values())
 
 
 class AdmissionPolicy:
@@ -210,8 +207,7 @@ class AdmissionPolicy:
         self.controller_id = check_controller_id(controller_id or new_controller_id())
         self.num_controllers = num_controllers
         self.index: CapacityIndex | None = None
-        self.reservations: dict[str, Reservation] = {}  # unseen, in ticket order
-        self.by_rank: dict[int, deque[Reservation]] = {}  # unseen per rank, in ticket order
+        self.book = ReservationBook()  # promises the ranks have not shown yet
         self.last_ticket = 0
         self.settled = 0  # reservations released because a view showed their ticket
         self.expired = 0  # reservations released by their TTL
@@ -222,6 +218,11 @@ class AdmissionPolicy:
         self._affinity_keys = affinity_keys
         self._rng = np.random.default_rng(list(self.controller_id.encode()))
 
+    @property
+    def reservations(self) -> list[str]:
+        """The request ids this controller holds promises for, oldest first."""
+        return self.book.request_ids()
+
     # ---------------------------------------------------------------- views
 
     def load_view(self, view: ClusterView, now_s: float) -> None:
@@ -230,21 +231,17 @@ class AdmissionPolicy:
         if self.index is not None and view.version <= self.index.version:
             self.expire(now_s)
             return
-        old = self.index
         idx = CapacityIndex(view, self.controller_id)
-        self._settle(idx.seen)  # against the arrays of the view in use until now
+        self.settled += self.book.settle(idx.seen)
+        self.expired += self.book.expire(now_s - self.ttl_s)
         self.index = idx
         # fresh ranks' capacity less the watermark; -1 for ranks that are not candidates
         self._capacity = np.where(idx.fresh, idx.total - self.watermark_blocks, -1)
-        if old is None or old.windows != idx.windows or old.world_size != idx.world_size:
-            self.reserved = reserved = np.zeros_like(idx.room)
-            for res in self.reservations.values():
-                for w, n in res.blocks.items():
-                    i = idx.col.get(w)
-                    if i is not None:
-                        reserved[i, res.rank] += n
+        self._recount(idx)
+
+    def _recount(self, idx: CapacityIndex) -> None:
+        self.reserved = self.book.reserved(idx.windows, idx.world_size)
         self._room = self._lease(idx) - self.reserved
-        self.expire(now_s)
 
     def _lease(self, idx: CapacityIndex) -> IntArray:
         """What this controller may promise per window and rank, before its own
@@ -252,57 +249,30 @@ class AdmissionPolicy:
         room = idx.room - self.watermark_blocks
         return room if self.num_controllers == 1 else room // self.num_controllers
 
-    def _settle(self, seen: dict[int, int]) -> None:
-        """Release every reservation at or below the ticket its rank has shown."""
-        col = self.index.col if self.index is not None else {}
-        reserved = self.reserved
-        for rank, queue in self.by_rank.items():
-            top = seen.get(rank, 0)
-            while queue and (queue[0].ticket <= top or not queue[0].live):
-                res = queue.popleft()
-                if not res.live:  # released or expired before its rank showed it
-                    continue
-                res.live = False
-                del self.reservations[res.request_id]
-                self.settled += 1
-                if reserved.size:
-                    for w, n in res.blocks.items():
-                        i = col.get(w)
-                        if i is not None:
-                            reserved[i, rank] -= n
-
     def expire(self, now_s: float) -> None:
         """Drop reservations not shown by their rank within `ttl_s` (the request never
         reached it: it holds nothing there)."""
-        while self.reservations:
-            res = next(iter(self.reservations.values()))
-            if now_s - res.made_at_s < self.ttl_s:
-                break
-            self._drop(res)
-            self.expired += 1
-
-    def _add(self, res: Reservation, sign: int) -> None:
-        idx = self.index
-        assert idx is not None
-        for w, n in res.blocks.items():
-            i = idx.col.get(w)
-            if i is not None:
-                self.reserved[i, res.rank] += sign * n
-                self._room[i, res.rank] -= sign * n
-
-    def _drop(self, res: Reservation) -> None:
-        del self.reservations[res.request_id]
-        res.live = False
-        self._add(res, -1)
+        dropped = self.book.expire(now_s - self.ttl_s)
+        if dropped:
+            self.expired += dropped
+            if self.index is not None:
+                self._recount(self.index)
 
     def release(self, request_id: str) -> bool:
         """Forget the promise for a request that will not reach its rank (cancelled,
         refused). True if one was held; once the rank has shown its ticket the rank
         counts the request itself, and this returns False."""
-        res = self.reservations.get(request_id)
-        if res is None:
+        gone = self.book.remove(request_id)
+        if gone is None:
             return False
-        self._drop(res)
+        rank, blocks = gone
+        idx = self.index
+        if idx is not None:
+            for w, n in blocks.items():
+                i = idx.col.get(w)
+                if i is not None:
+                    self.reserved[i, rank] -= n
+                    self._room[i, rank] += n
         return True
 
     # ---------------------------------------------------------------- decisions
@@ -315,36 +285,28 @@ class AdmissionPolicy:
     def decide(self, request: AdmissionRequest, now_s: float) -> Decision:
         idx = self.index
         version = idx.version if idx is not None else 0
-        if idx is None or not idx.fresh.any() or not idx.windows:
+        if idx is None or not idx.any_fresh or not idx.windows:
             return Decision(self.no_fresh, "no_fresh_capacity", version)
-        if request.request_id in self.reservations:
+        if request.request_id in self.book:
             raise ValueError(
                 f"request_id {request.request_id!r} is admitted and not yet placed; "
                 "release() it before deciding it again"
             )
-        need = blocks_needed(
-            request.prompt_tokens,
-            request.max_new_tokens,
-            idx.windows,
-            idx.tokens_per_block,
-            self.capacity_policy,
-        )
-        need_col = np.asarray([need[w] for w in idx.windows], dtype=np.int64)[:, None]
-        whole = need_col  # what it holds at its full length: it must fit some rank, empty
+        # per window: the blocks it is promised, and what it holds at its full length
+        # (which must fit some empty rank, whatever the policy: else it never finishes)
+        P, B = request.prompt_tokens, idx.tokens_per_block
+        full_end = P + request.max_new_tokens
+        ends: tuple[int, ...] = (full_end,)
         if self.capacity_policy is not Policy.GUARANTEED_NO_EVICT:
-            full = blocks_needed(
-                request.prompt_tokens,
-                request.max_new_tokens,
-                idx.windows,
-                idx.tokens_per_block,
-                Policy.GUARANTEED_NO_EVICT,
-            )
-            whole = np.asarray([full[w] for w in idx.windows], dtype=np.int64)[:, None]
-        could: npt.NDArray[np.bool_] = np.all(self._capacity >= whole, axis=0)
+            ends = (P + min(B, request.max_new_tokens), full_end)
+        table = np.array([[m.peak_blocks(P, e) for e in ends] for m in idx.managers])
+        need_col, whole = table[:, :1], table[:, -1:]
+        need = dict(zip(idx.windows, need_col[:, 0].tolist(), strict=True))
+        could = cast("npt.NDArray[np.bool_]", (self._capacity >= whole).all(0))
         if not could.any():
             return Decision(Outcome.REJECT, "exceeds_rank_capacity", version, blocks=need)
         room = self._room
-        fits: npt.NDArray[np.bool_] = could & np.all(room >= need_col, axis=0)
+        fits: npt.NDArray[np.bool_] = could & (room >= need_col).all(0)
         overflow = False
         if not fits.any() and self.num_controllers > 1:
             room = self._whole_room_where_no_lease_fits(idx, need_col)
@@ -354,10 +316,10 @@ class AdmissionPolicy:
             return Decision(Outcome.QUEUE, "insufficient_free_blocks", version, blocks=need)
         rank, by_prefix = self._choose(request, fits, room, overflow)
         self.last_ticket += 1
-        res = Reservation(request.request_id, rank, self.last_ticket, need, now_s)
-        self.reservations[request.request_id] = res
-        self.by_rank.setdefault(rank, deque()).append(res)
-        self._add(res, +1)
+        self.book.add(request.request_id, rank, self.last_ticket, need, now_s)
+        need_rank = need_col[:, 0]
+        self.reserved[:, rank] += need_rank
+        self._room[:, rank] -= need_rank
         self._remember(request.prefix_keys, rank)
         return Decision(
             Outcome.ADMIT,
@@ -366,7 +328,7 @@ class AdmissionPolicy:
             node=int(idx.rank_to_node[rank]),
             rank=rank,
             blocks=need,
-            ticket=Ticket(self.controller_id, self.last_ticket),
+            ticket=Ticket.trusted(self.controller_id, self.last_ticket),
             policy=self.capacity_policy,
         )
 
