@@ -44,9 +44,9 @@ def view_at_scale(  # type: ignore[no-untyped-def]
     return fold_cluster(topo, views, version=version)
 
 
-def settle_benchmark(num_tickets: int = 1000, repeats: int = 15) -> None:
+def settle_benchmark(num_tickets: int = 1000, repeats: int = 15, world: int = 1024) -> None:
     """Refresh onto a view whose ranks show `num_tickets` of this controller's tickets."""
-    first = view_at_scale(version=1)
+    first = view_at_scale(world, version=1)
     settle, plain = [], []
     for rep in range(repeats):
         ctl = AdmissionController(lambda: first, refresh_interval_s=3600.0)
@@ -56,8 +56,8 @@ def settle_benchmark(num_tickets: int = 1000, repeats: int = 15) -> None:
             d = ctl.decide(AdmissionRequest(f"r{i}", prompt_tokens=64, max_new_tokens=64))
             assert d.outcome is Outcome.ADMIT and d.rank is not None and d.ticket is not None
             shown[d.rank] = {ctl.controller_id: d.ticket.number}
-        seen = view_at_scale(version=2 + 2 * rep, tickets=shown)
-        same = view_at_scale(version=3 + 2 * rep)
+        seen = view_at_scale(world, version=2 + 2 * rep, tickets=shown)
+        same = view_at_scale(world, version=3 + 2 * rep)
         t0 = time.perf_counter()
         ctl.load_view(seen)
         settle.append(time.perf_counter() - t0)
@@ -67,9 +67,9 @@ def settle_benchmark(num_tickets: int = 1000, repeats: int = 15) -> None:
         plain.append(time.perf_counter() - t0)
     med = sorted(settle)[len(settle) // 2]
     base = sorted(plain)[len(plain) // 2]
-    info("view refresh settling nothing (1,024 ranks), median", base * 1e3, "ms")
+    info(f"view refresh settling nothing ({world:,} ranks), median", base * 1e3, "ms")
     report(
-        f"view refresh settling {num_tickets:,} tickets (1,024 ranks), median",
+        f"view refresh settling {num_tickets:,} tickets ({world:,} ranks), median",
         med * 1e3,
         "ms",
         1.0,
@@ -107,4 +107,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    settle_benchmark()
+    settle_benchmark(world=1024)
+    settle_benchmark(world=128)
