@@ -17,10 +17,13 @@ an over-commit (must be 0).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError, RayError
 
 from kvfold.admission import Policy
 from kvfold.cluster.handle import KVFold
@@ -33,6 +36,8 @@ from kvfold.workload.requests import TraceRequest
 from kvfold.workload.scheduler import Admit, ReplayConfig, SchedulerSettings, StepOutcome
 
 __all__ = ["ReplayConfig", "replay"]
+
+RANK_STEP_TIMEOUT_S = 10.0  # a rank that takes longer to step is given up for now
 
 
 def replay(
@@ -84,8 +89,13 @@ class _Replay:
         self.by_id = {r.request_id: r for r in self.arrivals}
         self.owner: dict[str, int] = {}  # request id -> the scheduler it was dealt to
         self.refused: list[list[str]] = [[] for _ in range(n)]  # to hand back next step
+        self.restarted: list[list[str]] = [[] for _ in range(n)]  # lost their KV: again
         self.finished: list[list[str]] = [[] for _ in range(n)]
         self.in_flight: dict[str, int] = {}
+        self.incarnation: dict[int, int] = {}  # each rank's, as its last answer said
+        self.unanswered: dict[int, Any] = {}  # a rank's call still out: skip it till back
+        self.to_drain: set[int] = set()  # ranks whose work was given up: clear them first
+        self.gone: set[int] = set()  # ranks whose actor died for good: never called again
         self.queued = 0
         self.decisions: dict[str, int] = {}
         self.step = 0
@@ -118,10 +128,18 @@ class _Replay:
         scheduler's admits in its ticket order."""
         dealt = self._deal(trace_now)
         refs = [
-            s.step.remote(dealt[k], self.refused[k], self.finished[k], trace_now, self.step)
+            s.step.remote(
+                dealt[k],
+                self.refused[k],
+                self.finished[k],
+                trace_now,
+                self.step,
+                self.restarted[k],
+            )
             for k, s in enumerate(self.schedulers)
         ]
         self.refused = [[] for _ in self.schedulers]
+        self.restarted = [[] for _ in self.schedulers]
         self.finished = [[] for _ in self.schedulers]
         outcomes: list[StepOutcome] = ray.get(refs)
         rec = self.rec
@@ -134,6 +152,9 @@ class _Replay:
             rec.queue_decisions += out.queue_decisions
             rec.ever_queued += out.ever_queued
             rec.rejected += out.rejected
+            for _, reason in out.failed:
+                rec.failed += 1
+                rec.failures[reason] += 1
             self.queued += out.queued
             for _, delay in out.admitted:
                 rec.admitted += 1
@@ -146,34 +167,92 @@ class _Replay:
 
     def engine_step(self, admits: dict[int, list[Admit]], trace_now: float) -> None:
         """Every rank steps in parallel; finished and refused requests go back to the
-        scheduler that admitted them."""
+        scheduler that admitted them. A rank that fails, restarts or does not answer is
+        an event, not an error: the requests it held lost their KV and are decided
+        again (counted `restarted`), and it is cleared before it is used again."""
         decode = max(1, round(self.config.decode_tokens_per_s * (trace_now - self.last_trace)))
         self.last_trace = trace_now
-        handles = self.kv.rank_handles
-        refs = [h.engine_step.remote(admits.get(r, []), decode) for r, h in enumerate(handles)]
-        results: list[StepResult] = ray.get(refs)
+        calls: dict[int, Any] = {}
+        for r, h in enumerate(self.kv.rank_handles):
+            if r in self.gone:
+                if admits.get(r):  # decided on a view that did not know yet
+                    self._lose(r, admits[r], "rank_gone")
+                continue
+            if r in self.unanswered:
+                if not ray.wait([self.unanswered[r]], timeout=0)[0]:
+                    self._lose(r, admits.get(r, []), "rank_not_answering")
+                    continue
+                del self.unanswered[r]  # answered at last: what it carried was given up
+            calls[r] = h.engine_step.remote(
+                admits.get(r, []), decode, drain_first=r in self.to_drain
+            )
+        _, late = ray.wait(
+            list(calls.values()), num_returns=len(calls), timeout=RANK_STEP_TIMEOUT_S
+        )
+        late_refs = set(late)
+        for r, ref in calls.items():
+            if ref in late_refs:
+                self.unanswered[r] = ref
+                self._lose(r, admits.get(r, []), "rank_not_answering")
+                continue
+            try:
+                res: StepResult = ray.get(ref)
+            except ActorDiedError:
+                self.gone.add(r)  # its KV, and the rank, are gone for good
+                self._lose(r, admits.get(r, []), "rank_died")
+                continue
+            except RayError as e:
+                self._lose(r, admits.get(r, []), f"rank_call_failed:{type(e).__name__}")
+                continue
+            self.to_drain.discard(r)
+            if self.incarnation.get(r, res.incarnation) != res.incarnation:
+                self._lose(r, [], "rank_restarted", keep=frozenset({*res.admitted, *res.refused}))
+            self.incarnation[r] = res.incarnation
+            self._account(res, trace_now)
+
+    def _account(self, res: StepResult, trace_now: float) -> None:
         rec = self.rec
-        guaranteed = self.config.policy is Policy.GUARANTEED_NO_EVICT
-        for res in results:
-            rec.decode_stalls += len(res.on_hold)
-            rec.preemptions += len(res.preempted)
-            if guaranteed:  # a promise to run to the end without eviction, broken
-                rec.overcommits += len(res.on_hold) + len(res.preempted)
-            for sid in res.finished:
-                rid = str(sid)
-                self.in_flight.pop(rid, None)
-                self.finished[self.owner[rid]].append(rid)
-                rec.completed += 1
-                req = self.by_id[rid]
-                rec.admitted_tokens += req.prompt_tokens + req.max_new_tokens
-                rec.last_completion_trace_s = trace_now
-            for sid in res.refused:
-                rid = str(sid)
-                self.in_flight.pop(rid, None)
-                self.refused[self.owner[rid]].append(rid)
-                rec.rank_refusals += 1
-                rec.admitted -= 1
-                rec.queue_delays_s.pop()  # decided again later: its delay counts then
+        rec.decode_stalls += len(res.on_hold)
+        rec.preemptions += len(res.preempted)
+        if self.config.policy is Policy.GUARANTEED_NO_EVICT:  # a promise, broken
+            rec.overcommits += len(res.on_hold) + len(res.preempted)
+        for sid in res.finished:
+            rid = str(sid)
+            self.in_flight.pop(rid, None)
+            self.finished[self.owner[rid]].append(rid)
+            rec.completed += 1
+            req = self.by_id[rid]
+            rec.admitted_tokens += req.prompt_tokens + req.max_new_tokens
+            rec.last_completion_trace_s = trace_now
+        for sid in res.refused:
+            rid = str(sid)
+            self.in_flight.pop(rid, None)
+            self.refused[self.owner[rid]].append(rid)
+            rec.rank_refusals += 1
+            self._unadmit()
+
+    def _unadmit(self) -> None:
+        """A request counted admitted is not running after all: it is decided again."""
+        self.rec.admitted -= 1
+        self.rec.queue_delays_s.pop()  # its delay counts when it is placed for good
+
+    def _lose(
+        self, rank: int, admits: list[Admit], fault: str, keep: frozenset[Any] = frozenset()
+    ) -> None:
+        """The requests running on `rank` (but `keep`) and those about to be placed there
+        lost their KV, or may have: give the rank up until it is cleared, and hand every
+        one back to its scheduler to be decided again."""
+        self.rec.faults[fault] += 1
+        self.to_drain.add(rank)
+        if fault == "rank_restarted":
+            self.to_drain.discard(rank)  # it came back empty: nothing to clear
+        lost = [rid for rid, r in self.in_flight.items() if r == rank and rid not in keep]
+        lost += [str(a[0]) for a in admits if str(a[0]) not in self.in_flight]
+        for rid in lost:
+            self.in_flight.pop(rid, None)
+            self.restarted[self.owner[rid]].append(rid)
+            self.rec.restarted += 1
+            self._unadmit()
 
     def sample(
         self,
@@ -185,7 +264,11 @@ class _Replay:
             return
         self.last_sample = wall
         self._publish_decisions()
-        view = self.kv.view()
+        try:
+            view = self.kv.view()
+        except KVFoldError:  # the aggregator is away: no sample this time
+            self.rec.faults["no_view"] += 1
+            return
         self.rec.samples.append(
             sample_view(view, wall, trace_now, self.queued, len(self.in_flight))
         )
@@ -198,6 +281,7 @@ class _Replay:
             and not self.queued
             and not self.in_flight
             and not any(self.refused)
+            and not any(self.restarted)
         )
 
     def pace(self, wall: float) -> None:
@@ -207,18 +291,36 @@ class _Replay:
 
     def _publish_decisions(self) -> None:
         """Hand the schedulers' cumulative decision counts to the aggregator's exporter."""
-        self.kv.client.report_admission("replay", dict(self.decisions))
+        with contextlib.suppress(KVFoldError):  # the aggregator is away: next time
+            self.kv.client.report_admission("replay", dict(self.decisions))
 
     def finish(self) -> ReplayRecorder:
         """Drain the ranks, then wait until the view has folded what they reported last."""
         kv, rec = self.kv, self.rec
-        ray.get([h.engine_drain.remote() for h in kv.rank_handles])
-        ray.get([h.report_now.remote() for h in kv.rank_handles])
-        infos = ray.get([h.info.remote() for h in kv.rank_handles])
-        sent = {r: info["seq"] for r, info in enumerate(infos)}
+        sent: dict[int, int] = {}
+        for r, h in enumerate(kv.rank_handles):  # a rank that is away is left out
+            if r in self.gone or r in self.unanswered:
+                continue
+            with contextlib.suppress(RayError):
+                ray.get(h.engine_drain.remote(), timeout=RANK_STEP_TIMEOUT_S)
+                ray.get(h.report_now.remote(), timeout=RANK_STEP_TIMEOUT_S)
+                sent[r] = ray.get(h.info.remote(), timeout=RANK_STEP_TIMEOUT_S)["seq"]
         self._publish_decisions()
         for s in self.schedulers:
             ray.kill(s)
+        running: dict[int, int] = {}
+        for r in self.in_flight.values():
+            running[r] = running.get(r, 0) + 1
+        rec.unfinished = {  # what a wall-clock limit left undone (empty when all is done)
+            k: v
+            for k, v in {
+                "queued": self.queued,
+                "running_by_rank": running,
+                "to_decide_again": sum(map(len, self.refused)) + sum(map(len, self.restarted)),
+                "not_arrived": len(self.arrivals) - self.next_arrival,
+            }.items()
+            if v
+        }
         final = _view_with_reports(kv, sent, timeout_s=30 * kv.settings.report_interval_s + 5)
         rec.finish(final, time.monotonic() - self.start)
         wall = rec.wall_s
@@ -230,15 +332,21 @@ def _view_with_reports(kv: KVFold, sent: dict[int, int], timeout_s: float) -> Cl
     """The first view that holds every rank's report up to `sent[rank]` (or, after
     `timeout_s`, the latest: a rank that died meanwhile never gets there)."""
     deadline = time.monotonic() + timeout_s
-    view = kv.view()
+    while True:
+        try:
+            view = kv.view()
+            break
+        except KVFoldError:  # the aggregator is coming back
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
     while time.monotonic() < deadline:
         seen = (view.rank_summary(r) for r in sent)
         if all(
             s is not None and s[0].report_seq >= sent[r] for s, r in zip(seen, sent, strict=True)
         ):
             return view
-        view = (
-            kv.wait_for_version(view.version, timeout_s=max(0.0, deadline - time.monotonic()))
-            or view
-        )
+        with contextlib.suppress(KVFoldError):
+            left = max(0.0, deadline - time.monotonic())
+            view = kv.wait_for_version(view.version, timeout_s=min(left, 1.0)) or view
     return view

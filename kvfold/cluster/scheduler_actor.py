@@ -57,12 +57,23 @@ class ControllerActor:
         }
 
 
+def _beside_the_driver() -> Any:
+    """Schedulers live on the driver's machine: losing a GPU node must not take the
+    admission path with it (it is the same process tree as the driver's loop)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+
+
 def start_controllers(
     namespace: str, n: int, policy: Policy = Policy.GUARANTEED_NO_EVICT, **kwargs: Any
 ) -> list[Any]:
     """`n` ControllerActors sharing the ranks (each told there are `n`), each in its
     own worker process."""
-    cls: Any = ray.remote(num_cpus=0, max_restarts=0)(ControllerActor)
+    cls: Any = ray.remote(num_cpus=0, max_restarts=0)(ControllerActor).options(
+        scheduling_strategy=_beside_the_driver()
+    )
     actors = [cls.remote(namespace, policy, n, **kwargs) for _ in range(n)]
     ray.get([a.controller_id.remote() for a in actors])
     return actors
@@ -83,9 +94,10 @@ class SchedulerActor:
         finished: Sequence[str],
         trace_now: float,
         step: int,
+        restarted: Sequence[str] = (),
     ) -> StepOutcome:
         self.scheduler.finished(finished)
-        return self.scheduler.step(arrivals, refused, trace_now, step)
+        return self.scheduler.step(arrivals, refused, trace_now, step, restarted)
 
     def decisions(self) -> dict[str, int]:
         return self.scheduler.decisions()
@@ -93,7 +105,9 @@ class SchedulerActor:
 
 def start_schedulers(namespace: str, settings: list[SchedulerSettings]) -> list[Any]:
     """One SchedulerActor per settings, each in its own worker process (no GPU)."""
-    cls: Any = ray.remote(num_cpus=0, max_restarts=0)(SchedulerActor)
+    cls: Any = ray.remote(num_cpus=0, max_restarts=0)(SchedulerActor).options(
+        scheduling_strategy=_beside_the_driver()
+    )
     actors = [cls.remote(namespace, s) for s in settings]
     ray.get([a.controller_id.remote() for a in actors])  # each is up before the replay starts
     return actors

@@ -42,6 +42,7 @@ class StepResult:
     num_running: int
     decoded_tokens: int
     preempted: tuple[SeqId, ...] = ()  # blocks released, to be recomputed when they fit
+    incarnation: int = 0  # the rank's, set by the rank actor: a change means it restarted
 
 
 class Engine(Protocol):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -311,15 +312,23 @@ class RankWorker:
         admits: list[tuple[Any, ...]],
         decode_tokens: int = 1,
         report: bool = True,
+        drain_first: bool = False,
     ) -> StepResult:
         """One step of this rank's engine (kvfold.worker.engine; the simulated one by
-        default). Each admit: (seq_id, prompt, max_new_tokens, salt[, policy, ticket])."""
+        default). Each admit: (seq_id, prompt, max_new_tokens, salt[, policy, ticket]).
+        `drain_first`: free everything the engine holds before the step, in the same call
+        (a driver that gave the rank's work up; separate calls to this threaded actor
+        could run in either order)."""
         requests = [_engine_request(a) for a in admits]
         with self.lock:
             self._cache()
             if self.engine is None:
                 raise ValueError(f"rank {self.rank} has no engine (launch with an engine_factory)")
-            result = self.engine.step(requests, decode_tokens)
+            if drain_first:
+                self.engine.drain()
+            result = replace(
+                self.engine.step(requests, decode_tokens), incarnation=self.incarnation
+            )
             for req in requests:  # placed or refused: the rank has seen it
                 self.tickets.take(req.ticket)
         self._changed(report and bool(result.admitted or result.finished))

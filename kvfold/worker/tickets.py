@@ -6,9 +6,10 @@ it has taken in (placed or refused) and reports the table with its gauges, in on
 snapshot: a controller's reservation whose ticket is at or below the rank's entry
 is in the rank's `committed` blocks (or was refused), so it is released exactly then.
 
-A controller places its admissions on a rank in ticket order (one caller's calls to
-one Ray actor run in order); a ticket that arrives after a higher one was seen is
-late: the rank's own check still holds it to its capacity. A rank's table starts
+A controller places its admissions on a rank in ticket order (waiting for each, or in
+one engine step: the rank actor is threaded, so calls sent without waiting may run in
+either order); a ticket that arrives after a higher one was seen is late: the rank's
+own check still holds it to its capacity. A rank's table starts
 empty in each incarnation; a restarted controller takes a new id.
 """
 

@@ -80,6 +80,11 @@ class ReplayRecorder:
     overcommits: int = 0  # GUARANTEED_NO_EVICT sequences that could not grow: must be 0
     decode_stalls: int = 0  # a running sequence could not grow in a step
     preemptions: int = 0  # sequences whose blocks were released, to be recomputed
+    restarted: int = 0  # lost their KV (their rank failed or restarted): decided again
+    failed: int = 0  # admitted once, then could run nowhere any more
+    failures: Counter[str] = field(default_factory=Counter)  # why, per failed request
+    faults: Counter[str] = field(default_factory=Counter)  # what the driver met, by kind
+    unfinished: dict[str, Any] = field(default_factory=dict)  # left when a wall limit hit
     admitted_tokens: int = 0  # prompt + max new tokens of every completed request
     last_completion_trace_s: float = 0.0
     queue_delays_s: list[float] = field(default_factory=list)  # trace seconds
@@ -132,6 +137,11 @@ class ReplayRecorder:
             "rank_refusal_rate": self.rank_refusals / max(1, self.admitted + self.rank_refusals),
             "decode_stalls": self.decode_stalls,
             "preemptions": self.preemptions,
+            "restarted": self.restarted,
+            "failed": self.failed,
+            "failures": dict(self.failures),
+            "faults": dict(self.faults),
+            "unfinished": dict(self.unfinished),
             "peak_node_gpu_usage": max(peak, default=0.0),
             "mean_gpu_usage": statistics.fmean(used) if used else 0.0,
             "admitted_tokens": self.admitted_tokens,
@@ -147,7 +157,8 @@ class ReplayRecorder:
         return "\n".join(
             [
                 f"requests {s['requests']}: admitted {s['admitted']}, rejected {s['rejected']}, "
-                f"completed {s['completed']}, queued at least once {s['ever_queued']}",
+                f"completed {s['completed']}, failed {s['failed']}, "
+                f"queued at least once {s['ever_queued']}",
                 f"queueing delay (trace s): p50 {s['queue_delay_p50_s']:.2f}, "
                 f"p99 {s['queue_delay_p99_s']:.2f}, mean {s['queue_delay_mean_s']:.2f}",
                 f"GPU prefix hit rate {100 * s.get('gpu_hit_rate', 0):.1f}%, with host tier "
@@ -160,6 +171,8 @@ class ReplayRecorder:
                 f"rank refusals {s['rank_refusals']} "
                 f"({100 * s['rank_refusal_rate']:.2f}% of placements), "
                 f"decode stalls {s['decode_stalls']}, preemptions {s['preemptions']}",
+                f"faults met {s['faults'] or 'none'}; restarted {s['restarted']} requests"
+                + (f", failures {s['failures']}" if s["failures"] else ""),
                 f"GPU usage mean {100 * s['mean_gpu_usage']:.1f}%, peak node "
                 f"{100 * s['peak_node_gpu_usage']:.1f}%; work {s['work_tokens_per_trace_s']:.0f} "
                 f"tokens per trace s; wall {s['wall_s']:.1f} s",

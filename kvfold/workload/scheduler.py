@@ -73,6 +73,7 @@ class StepOutcome:
     decisions: dict[str, int] = field(default_factory=dict)  # "outcome:reason" -> count
     admitted: list[tuple[str, float]] = field(default_factory=list)  # (id, queueing delay)
     rejected: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (id, why): admitted once
     ever_queued: int = 0
     queue_decisions: int = 0
     queued: int = 0  # waiting after the step
@@ -93,6 +94,7 @@ class ReplayScheduler:
         self.asked: dict[str, AdmissionRequest] = {}  # built (keys hashed) once per request
         self.queue: FifoAdmissionQueue[TraceRequest] = FifoAdmissionQueue(self._to_request)
         self.arrived_step: dict[str, int] = {}
+        self.restarted: set[str] = set()  # lost their KV once: a REJECT now is a failure
 
     def _to_request(self, req: TraceRequest) -> AdmissionRequest:
         made = self.asked.get(req.request_id)
@@ -109,15 +111,19 @@ class ReplayScheduler:
         refused: Sequence[str],
         trace_now: float,
         step: int,
+        restarted: Sequence[str] = (),
     ) -> StepOutcome:
-        """Take the new arrivals and the refusals, then decide the queue's head in order."""
+        """Take the new arrivals, the refusals and the requests that lost their KV, then
+        decide the queue's head in order."""
         for req in arrivals:
             self.by_id[req.request_id] = req
             self.queue.push(req)
             self.arrived_step[req.request_id] = step
-        for rid in refused:  # nothing of it is at the rank: decide it again, first
+        again = [*refused, *restarted]
+        for rid in again:  # nothing of it is at a rank: decide it again, first
             self.controller.release(rid)
-        self.queue.push_front(self.by_id[rid] for rid in refused)
+        self.restarted.update(restarted)
+        self.queue.push_front(self.by_id[rid] for rid in again)
         out = StepOutcome()
         self.controller.refresh()
         for req, d in self.queue.pump(self.controller.decide):
@@ -130,7 +136,10 @@ class ReplayScheduler:
             if self.arrived_step.pop(req.request_id, step) < step:
                 out.ever_queued += 1  # it waited at least one step
             if d.outcome is Outcome.REJECT:
-                out.rejected += 1
+                if req.request_id in self.restarted:  # it ran once; no rank can hold it now
+                    out.failed.append((req.request_id, f"no rank can hold it now ({d.reason})"))
+                else:
+                    out.rejected += 1
                 continue
             assert d.rank is not None and d.policy is not None
             out.admitted.append((req.request_id, max(0.0, trace_now - req.arrival_s)))
@@ -144,6 +153,7 @@ class ReplayScheduler:
         for rid in request_ids:
             self.controller.release(rid)  # a no-op once the rank showed its ticket
             self.by_id.pop(rid, None)
+            self.restarted.discard(rid)
 
     def decisions(self) -> dict[str, int]:
         return {f"{o}:{r}": n for (o, r), n in self.controller.decisions.items()}
