@@ -15,10 +15,12 @@ from typing import Any
 
 import psutil
 import ray
+from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
 from kvfold.aggregator.cluster_state import ClusterState
 from kvfold.aggregator.receiver import ACCEPTED
 from kvfold.checks import is_int
+from kvfold.errors import ReportError
 from kvfold.naming import node_actor_name
 from kvfold.ray_actor import BackgroundLoop, Every, gone_among, incarnation_of, silent
 from kvfold.stats import Window
@@ -26,6 +28,7 @@ from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
 
 VERIFY_TIMEOUT_S = 2.0  # how long a node actor may take to confirm its incarnation
+CARRY_KEY = b"kvfold:carried-counters"  # in Ray's internal KV, per kvfold namespace
 
 
 class ClusterAggregator:
@@ -52,6 +55,10 @@ class ClusterAggregator:
             dead_after_s,
             version_base=time.time_ns() // 1000,  # keeps growing across restarts
         )
+        self._carry_counters()
+        self._carried_version = self.state.version
+        self._carried_marks: tuple[object, ...] = ()
+        self._carry = Every(1.0)  # hand the counters on at most once a second
         self.cond = threading.Condition()
         self._bytes_version = -1
         self._bytes = b""
@@ -186,8 +193,28 @@ class ClusterAggregator:
     def _tick(self) -> None:
         with self.cond:
             view = self._refresh()
+            carry = None
+            # at once when a node restarts or falls silent (its counts are final then),
+            # else at most once a second
+            marks = (view.node_states, tuple(sorted(self.state.incarnations.items())))
+            changed = view.version != self._carried_version
+            if changed and (marks != self._carried_marks or self._carry.due(time.monotonic())):
+                carry = self.state.carried_counters()
+                self._carried_version, self._carried_marks = view.version, marks
+        if carry is not None:
+            _internal_kv_put(CARRY_KEY, carry, overwrite=True, namespace=self.namespace)
         if self._probe.due(time.monotonic()):
             self._mark_gone_nodes(view)
+
+    def _carry_counters(self) -> None:
+        """A restarted aggregator goes on from the counters its predecessor handed on
+        (kept in Ray's GCS, which outlives the actor)."""
+        data = _internal_kv_get(CARRY_KEY, namespace=self.namespace)
+        if data:
+            try:
+                self.state.carry_counters(data)
+            except (ValueError, TypeError, KeyError, ReportError) as e:  # never fatal
+                print(f"kvfold aggregator: carried counters ignored ({e})")
 
     def _mark_gone_nodes(self, view: ClusterView) -> None:
         """Silent nodes whose machine Ray reports gone, or whose actor is gone, are dead."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.experimental.internal_kv import _internal_kv_del
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
@@ -24,7 +25,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from kvfold.aggregator.client import KVFoldClient
-from kvfold.aggregator.cluster_actor import ClusterAggregator
+from kvfold.aggregator.cluster_actor import CARRY_KEY, ClusterAggregator
 from kvfold.aggregator.node_actor import HostKVActor
 from kvfold.cluster.handle import KVFold
 from kvfold.cluster.settings import LaunchSettings
@@ -227,6 +228,8 @@ def _start_aggregator(
     settings: LaunchSettings, placement: Placement, metrics: tuple[str, int | None]
 ) -> Any:
     assert settings.cache is not None
+    # a new deployment counts from zero: only its own aggregator's restarts carry counters on
+    _internal_kv_del(CARRY_KEY, namespace=settings.namespace)
     options = _actor_options(
         settings, AGGREGATOR_NAME, resources=_on_head_node(), max_restarts=-1, max_concurrency=32
     )
@@ -319,6 +322,7 @@ def attach(namespace: str = DEFAULT_NAMESPACE, address: str | None = None) -> KV
 
 def teardown(namespace: str = DEFAULT_NAMESPACE) -> list[str]:
     """Kill every kvfold actor in `namespace` and its placement group; return what was stopped."""
+    _internal_kv_del(CARRY_KEY, namespace=namespace)
     stopped = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name, ns = entry["name"], entry["namespace"]
