@@ -57,8 +57,6 @@ class ClusterAggregator:
         )
         self._carry_counters()
         self._carried_version = self.state.version
-        self._carried_marks: tuple[object, ...] = ()
-        self._carry = Every(1.0)  # hand the counters on at most once a second
         self.cond = threading.Condition()
         self._bytes_version = -1
         self._bytes = b""
@@ -194,13 +192,9 @@ class ClusterAggregator:
         with self.cond:
             view = self._refresh()
             carry = None
-            # at once when a node restarts or falls silent (its counts are final then),
-            # else at most once a second
-            marks = (view.node_states, tuple(sorted(self.state.incarnations.items())))
-            changed = view.version != self._carried_version
-            if changed and (marks != self._carried_marks or self._carry.due(time.monotonic())):
+            if view.version != self._carried_version:  # every tick that changed something
                 carry = self.state.carried_counters()
-                self._carried_version, self._carried_marks = view.version, marks
+                self._carried_version = view.version
         if carry is not None:
             _internal_kv_put(CARRY_KEY, carry, overwrite=True, namespace=self.namespace)
         if self._probe.due(time.monotonic()):

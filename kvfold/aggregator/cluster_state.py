@@ -14,7 +14,8 @@ aggregator (its Ray shell keeps them in Ray's GCS): each node's base and its las
 counters with their incarnation. A node that reports again in that incarnation
 supersedes its last counters; one in a new incarnation adds them to its base; one
 never heard again (a removed node) keeps them. So a restarted aggregator's counters
-go on from where the last one's stood (up to what changed since it last carried).
+go on from where the last one's stood (up to what changed since it last carried: its
+shell carries every half report interval in which anything changed).
 """
 
 from __future__ import annotations
@@ -110,15 +111,20 @@ class ClusterState(ReportReceiver[NodeReport]):
         msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
         if not isinstance(msg, dict) or msg.get("v") != 1:
             raise ValueError("carried counters: unknown format")
-        for node, (base, last) in msg["nodes"].items():
+        bases: dict[int, IterationStats] = {}
+        lasts: dict[int, tuple[int, IterationStats]] = {}
+        for node, (base, last) in msg["nodes"].items():  # all of it read before any is used
             self.topology.check_node(node)
             if base:
-                self._add_base(node, IterationStats(deltas_field(base, "base", self.windows)))
+                bases[node] = IterationStats(deltas_field(base, "base", self.windows))
             if last is not None:
-                self.carried[node] = (
+                lasts[node] = (
                     int(last[0]),
-                    IterationStats(deltas_field(last[1], "last", self.windows)),
+                    IterationStats(deltas_field(last[1], "l", self.windows)),
                 )
+        for node, counts in bases.items():
+            self._add_base(node, counts)
+        self.carried.update(lasts)
         self._changed = True
 
     def _bases(self) -> dict[int, IterationStats]:

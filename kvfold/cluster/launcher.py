@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.experimental.internal_kv import _internal_kv_del
 from ray.exceptions import GetTimeoutError, RayActorError
+from ray.experimental.internal_kv import _internal_kv_del
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,

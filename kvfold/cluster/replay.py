@@ -92,6 +92,7 @@ class _Replay:
         self.restarted: list[list[str]] = [[] for _ in range(n)]  # lost their KV: again
         self.finished: list[list[str]] = [[] for _ in range(n)]
         self.in_flight: dict[str, int] = {}
+        self.delay_of: dict[str, float] = {}  # queueing delay of each placed request
         self.incarnation: dict[int, int] = {}  # each rank's, as its last answer said
         self.unanswered: dict[int, Any] = {}  # a rank's call still out: skip it till back
         self.to_drain: set[int] = set()  # ranks whose work was given up: clear them first
@@ -156,9 +157,9 @@ class _Replay:
                 rec.failed += 1
                 rec.failures[reason] += 1
             self.queued += out.queued
-            for _, delay in out.admitted:
+            for rid, delay in out.admitted:
                 rec.admitted += 1
-                rec.queue_delays_s.append(delay)
+                self.delay_of[rid] = delay  # a request decided again counts its last delay
             for rank, items in out.admits.items():
                 admits.setdefault(rank, []).extend(items)
                 for item in items:
@@ -229,12 +230,12 @@ class _Replay:
             self.in_flight.pop(rid, None)
             self.refused[self.owner[rid]].append(rid)
             rec.rank_refusals += 1
-            self._unadmit()
+            self._unadmit(rid)
 
-    def _unadmit(self) -> None:
+    def _unadmit(self, rid: str) -> None:
         """A request counted admitted is not running after all: it is decided again."""
         self.rec.admitted -= 1
-        self.rec.queue_delays_s.pop()  # its delay counts when it is placed for good
+        self.delay_of.pop(rid, None)  # its delay counts when it is placed for good
 
     def _lose(
         self, rank: int, admits: list[Admit], fault: str, keep: frozenset[Any] = frozenset()
@@ -252,7 +253,7 @@ class _Replay:
             self.in_flight.pop(rid, None)
             self.restarted[self.owner[rid]].append(rid)
             self.rec.restarted += 1
-            self._unadmit()
+            self._unadmit(rid)
 
     def sample(
         self,
@@ -322,6 +323,7 @@ class _Replay:
             if v
         }
         final = _view_with_reports(kv, sent, timeout_s=30 * kv.settings.report_interval_s + 5)
+        rec.queue_delays_s = list(self.delay_of.values())
         rec.finish(final, time.monotonic() - self.start)
         wall = rec.wall_s
         rec.samples.append(sample_view(final, wall, wall * self.config.time_scale, self.queued, 0))

@@ -127,13 +127,15 @@ class PagedKVCache:
         *,
         max_new_tokens: int = 0,
         policy: Policy = Policy.GUARANTEED_NO_EVICT,
+        count_refusal: bool = True,
     ) -> bool:
         """Allocate a prompt with prefix reuse; status becomes IN_PREFILL.
 
         The sequence is declared to reach prompt + max_new_tokens (GUARANTEED_NO_EVICT)
         or prompt + one block (MAX_UTILIZATION). Returns False (nothing changed,
         counted in `num_refused`) when that would make some window's committed blocks
-        exceed its total. A QUEUEING sequence may be added; any other existing id is
+        exceed its total (`count_refusal=False`: an engine retrying its own preempted
+        sequence, not a placement). A QUEUEING sequence may be added; any other existing id is
         an error. The host tier is asked before anything changes; its failures are misses.
         """
         check_seq_id(seq_id)
@@ -149,7 +151,7 @@ class PagedKVCache:
         keys = extend_keys(hasher, tokens, B) if self.config.enable_prefix_reuse else []
         plans = self._plan_prompt(int(tokens.size), keys, end)
         if plans is None:
-            self.num_refused += 1
+            self.num_refused += count_refusal  # an engine's own retries are not placements
             return False
         if self.host is not None:
             for plan in plans:

@@ -81,7 +81,12 @@ class SimEngine:
                 ]
             )
             if not self.cache.add_sequence(
-                req.seq_id, redo, salt=req.salt, max_new_tokens=left, policy=req.policy
+                req.seq_id,
+                redo,
+                salt=req.salt,
+                max_new_tokens=left,
+                policy=req.policy,
+                count_refusal=False,
             ):
                 return
             self.preempted.popleft()
