@@ -74,6 +74,7 @@ def test_engine_preempts_when_nothing_can_move_and_recomputes_later() -> None:
         done += [str(s) for s in r.finished]
         cache.check_integrity()
     assert done == ["a", "b"]  # a ran on; b was recomputed once a finished, then finished
+    assert cache.num_refused == 0  # the engine's own retries of b are not refused placements
     assert cache.stats().total.num_blocks_used == 0
 
 
