@@ -114,10 +114,7 @@ def blocks_needed(
 ) -> dict[Window, int]:
     """The most blocks each window group holds at once while the request grows from its
     prompt to its declared end (what the rank will count as its commitment)."""
-    if policy is Policy.GUARANTEED_NO_EVICT:  # kvfold.worker.commitments.declared_end, inline
-        end = prompt_tokens + max_new_tokens
-    else:
-        end = declared_end(prompt_tokens, max_new_tokens, policy, tokens_per_block)
+    end = declared_end(prompt_tokens, max_new_tokens, policy, tokens_per_block)
     return {w: window_manager(w, tokens_per_block).peak_blocks(prompt_tokens, end) for w in windows}
 
 
@@ -298,7 +295,7 @@ class AdmissionPolicy:
         full_end = P + request.max_new_tokens
         ends: tuple[int, ...] = (full_end,)
         if self.capacity_policy is not Policy.GUARANTEED_NO_EVICT:
-            ends = (P + min(B, request.max_new_tokens), full_end)
+            ends = (declared_end(P, request.max_new_tokens, self.capacity_policy, B), full_end)
         table = np.array([[m.peak_blocks(P, e) for e in ends] for m in idx.managers])
         need_col, whole = table[:, :1], table[:, -1:]
         need = dict(zip(idx.windows, need_col[:, 0].tolist(), strict=True))

@@ -177,11 +177,11 @@ class _Replay:
         for r, h in enumerate(self.kv.rank_handles):
             if r in self.gone:
                 if admits.get(r):  # decided on a view that did not know yet
-                    self._lose(r, admits[r], "rank_gone")
+                    self._lose(r, "rank_gone")
                 continue
             if r in self.unanswered:
                 if not ray.wait([self.unanswered[r]], timeout=0)[0]:
-                    self._lose(r, admits.get(r, []), "rank_not_answering")
+                    self._lose(r, "rank_not_answering")
                     continue
                 del self.unanswered[r]  # answered at last: what it carried was given up
             calls[r] = h.engine_step.remote(
@@ -194,20 +194,21 @@ class _Replay:
         for r, ref in calls.items():
             if ref in late_refs:
                 self.unanswered[r] = ref
-                self._lose(r, admits.get(r, []), "rank_not_answering")
+                self._lose(r, "rank_not_answering")
                 continue
             try:
                 res: StepResult = ray.get(ref)
             except ActorDiedError:
                 self.gone.add(r)  # its KV, and the rank, are gone for good
-                self._lose(r, admits.get(r, []), "rank_died")
+                self._lose(r, "rank_died")
                 continue
             except RayError as e:
-                self._lose(r, admits.get(r, []), f"rank_call_failed:{type(e).__name__}")
+                self._lose(r, f"rank_call_failed:{type(e).__name__}")
                 continue
             self.to_drain.discard(r)
             if self.incarnation.get(r, res.incarnation) != res.incarnation:
-                self._lose(r, [], "rank_restarted", keep=frozenset({*res.admitted, *res.refused}))
+                keep = frozenset({*res.admitted, *res.refused})
+                self._lose(r, "rank_restarted", keep=keep, cleared=True)
             self.incarnation[r] = res.incarnation
             self._account(res, trace_now)
 
@@ -238,17 +239,15 @@ class _Replay:
         self.delay_of.pop(rid, None)  # its delay counts when it is placed for good
 
     def _lose(
-        self, rank: int, admits: list[Admit], fault: str, keep: frozenset[Any] = frozenset()
+        self, rank: int, fault: str, keep: frozenset[Any] = frozenset(), cleared: bool = False
     ) -> None:
-        """The requests running on `rank` (but `keep`) and those about to be placed there
-        lost their KV, or may have: give the rank up until it is cleared, and hand every
-        one back to its scheduler to be decided again."""
+        """The requests on `rank` (but `keep`), running or about to be placed (decide() put
+        both in `in_flight`), lost their KV, or may have: give the rank up until it is
+        cleared, and hand every one back to its scheduler to be decided again."""
         self.rec.faults[fault] += 1
-        self.to_drain.add(rank)
-        if fault == "rank_restarted":
-            self.to_drain.discard(rank)  # it came back empty: nothing to clear
+        if not cleared:  # a restarted rank came back empty: nothing to clear
+            self.to_drain.add(rank)
         lost = [rid for rid, r in self.in_flight.items() if r == rank and rid not in keep]
-        lost += [str(a[0]) for a in admits if str(a[0]) not in self.in_flight]
         for rid in lost:
             self.in_flight.pop(rid, None)
             self.restarted[self.owner[rid]].append(rid)

@@ -24,6 +24,7 @@ from kvfold.admission import (
     FifoAdmissionQueue,
     Outcome,
     Policy,
+    new_controller_id,
 )
 from kvfold.checks import check_int, check_positive
 from kvfold.view import ClusterView
@@ -88,7 +89,7 @@ class ReplayScheduler:
             watermark_blocks=settings.watermark_blocks,
             refresh_interval_s=settings.refresh_interval_s,
             num_controllers=settings.num_controllers,
-            controller_id=None,
+            controller_id=new_controller_id(settings.name),
         )
         self.by_id: dict[str, TraceRequest] = {}
         self.asked: dict[str, AdmissionRequest] = {}  # built (keys hashed) once per request

@@ -18,14 +18,14 @@ import pytest
 
 from kvfold.errors import KVFoldError
 from kvfold.view import SourceState
-from kvfold.worker import KVCacheConfig
 from tests.faults.conftest import record
 from tests.integration.conftest import wait_until
+from tests.unit.builders import make_config
 
 SEED = int(os.environ.get("KVFOLD_CHAOS_SEED", "7"))
-CACHE = KVCacheConfig(
+CACHE = make_config(
+    256,
     tokens_per_block=16,
-    num_blocks=256,
     num_layers=1,
     num_kv_heads=1,
     head_dim=4,

@@ -116,7 +116,9 @@ def test_mooncake_replay_never_over_commits(kv, tmp_path) -> None:  # type: igno
     assert admitted == s["admitted"]
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"needs the shared trace at {TRACE}")
+@pytest.mark.skipif(
+    not TRACE.exists(), reason=f"needs the shared trace at {TRACE} (beside the checkout; CI has it)"
+)
 def test_four_schedulers_in_four_processes_share_the_ranks(kv) -> None:  # type: ignore[no-untyped-def]
     from kvfold.cluster.replay import ReplayConfig, replay
     from kvfold.workload.traces import load_mooncake

@@ -26,17 +26,16 @@ from typing import Any
 import pytest
 
 from kvfold.admission import AdmissionRequest, Outcome, Policy
-from kvfold.worker import KVCacheConfig
 from tests.integration.conftest import running
+from tests.unit.builders import make_config
 
 pytestmark = pytest.mark.integration
 
 B, W = 16, 64
-CACHE = KVCacheConfig(
-    tokens_per_block=B,
-    num_blocks={None: 64, W: 40},
+CACHE = make_config(
+    {None: 64, W: 40},
     windows=(None, W),
-    num_layers=2,
+    tokens_per_block=B,
     num_kv_heads=1,
     head_dim=4,
     dtype="float16",
