@@ -7,6 +7,7 @@ kvfold status [--json]           one view, from any terminal
 kvfold top                       the view, live
 kvfold down                      stop kvfold's actors
 kvfold replay TRACE              replay a Mooncake .jsonl or Azure .csv trace
+kvfold compare TRACE             the same trace under every router, side by side
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         policy=Policy[args.policy.upper()],
         schedulers=args.schedulers,
         leases=args.leases,
+        router=args.router,
     )
     stem = f"replay-{Path(args.trace).stem}"
     if args.schedulers > 1:
@@ -223,6 +225,53 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except KVFoldError as e:
         print(f"kvfold replay: {e}", file=sys.stderr)
         return 2
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from kvfold.admission.routing import as_router
+    from kvfold.cluster import launch, start_local_cluster
+    from kvfold.workload.references import reference_hit_rates
+    from kvfold.workload.scheduler import ReplayConfig
+    from kvfold.workload.traces import load_trace
+
+    try:
+        workload = load_trace(args.trace, limit=args.limit)
+        routers = [as_router(r.strip()) for r in args.routers.split(",")]
+    except ValueError as e:
+        print(f"kvfold compare: {e}", file=sys.stderr)
+        return 2
+    cfg = ReplayConfig(time_scale=args.time_scale, decode_tokens_per_s=args.decode_rate)
+    gpu_blocks = args.world_size * args.num_blocks
+    refs = reference_hit_rates(workload, args.tokens_per_block, gpu_blocks)
+    print(
+        f"kvfold compare: {len(workload)} requests of {args.trace}, routers "
+        f"{[r.value for r in routers]}, on an embedded cluster: {args.nodes} nodes x "
+        f"{args.gpus_per_node} simulated GPUs, world {args.world_size}",
+        flush=True,
+    )
+    cluster = start_local_cluster(args.nodes, args.gpus_per_node, namespace=DEFAULT_NAMESPACE)
+    from kvfold.cluster.compare import compare, format_table, write_table  # imports Ray
+
+    try:
+
+        def fresh() -> Any:
+            return launch(
+                args.world_size,
+                args.gpus_per_node,
+                cache=_cache_config(args),
+                host_num_blocks=args.host_blocks,
+            )
+
+        def done(router: str, rec: Any) -> None:
+            print(f"\n== {router}\n{rec.format_summary()}", flush=True)
+
+        rows = compare(fresh, workload, cfg, routers, on_done=done)
+    finally:
+        cluster.shutdown()
+    print("\n" + format_table(rows, refs))
+    paths = write_table(rows, refs, Path(args.out), f"compare-{Path(args.trace).stem}")
+    print(f"\nwrote {', '.join(str(p) for p in paths)}")
+    return 0 if all(r["overcommits"] == 0 for r in rows) else 1
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -366,7 +415,29 @@ def _replay_parser(sub: Any) -> None:
     r.add_argument("--limit", type=int, default=None, help="first N requests only")
     r.add_argument("--decode-rate", type=float, default=40.0, help="tokens/s per sequence")
     r.add_argument("--out", default="kvfold-out")
+    r.add_argument(
+        "--router",
+        default="precise_prefix",
+        choices=ROUTERS,
+        help="how an admitted request's rank is chosen (docs/routing.md)",
+    )
     r.set_defaults(fn=cmd_replay)
+
+
+ROUTERS = ["round_robin", "least_loaded", "approx_prefix", "precise_prefix"]
+
+
+def _compare_parser(sub: Any) -> None:
+    c = sub.add_parser("compare", help="one trace under every router, side by side")
+    c.add_argument("trace")
+    _add_cluster_args(c, blocks=4096, tpb=64, windows="full")
+    _auth_arg(c)
+    c.add_argument("--time-scale", type=float, default=1.0, help="compress trace time by X")
+    c.add_argument("--limit", type=int, default=None, help="first N requests only")
+    c.add_argument("--decode-rate", type=float, default=40.0, help="tokens/s per sequence")
+    c.add_argument("--routers", default=",".join(ROUTERS), help="comma list")
+    c.add_argument("--out", default="kvfold-out")
+    c.set_defaults(fn=cmd_compare, address=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
     _replay_parser(sub)
+    _compare_parser(sub)
     u = sub.add_parser("up", help="start kvfold on a running Ray cluster (detached)")
     _connect_args(u)
     _add_cluster_args(u, blocks=1024, tpb=16, windows="full")

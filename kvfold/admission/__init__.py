@@ -11,6 +11,7 @@ from kvfold.admission.policy import (
     new_controller_id,
 )
 from kvfold.admission.queue import FifoAdmissionQueue
+from kvfold.admission.routing import Router, RoutingWeights
 
 __all__ = [
     "AdmissionController",
@@ -20,6 +21,8 @@ __all__ = [
     "FifoAdmissionQueue",
     "Outcome",
     "Policy",
+    "Router",
+    "RoutingWeights",
     "blocks_needed",
     "new_controller_id",
 ]

@@ -10,6 +10,12 @@ Views are refreshed at most every `refresh_interval_s` (a decision never waits
 on the network otherwise). A view source that fails in any way, or answers with
 something that is not a ClusterView, makes decisions QUEUE with reason
 `no_fresh_view`. Decisions are counted by outcome and reason.
+
+Routing (kvfold.admission.routing): `precise_prefix` by default where the source also
+serves the cluster block index (`block_index_since`, as KVFoldClient does): the
+controller keeps a replica of it, brought up to date at each refresh; a failing index
+source leaves the replica as it was (routing is a preference, never a promise) and
+says why in `index_error`. Elsewhere `approx_prefix`.
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ from kvfold.admission.policy import (
     Outcome,
     Policy,
 )
+from kvfold.admission.routing import Router, RoutingWeights, as_router
+from kvfold.blockindex.feed import Replica
 from kvfold.view import ClusterView
+
+IndexSource = Callable[[int], tuple[int, list[Any], bool]]
 
 
 class AdmissionController:
@@ -42,10 +52,16 @@ class AdmissionController:
         clock: Callable[[], float] = time.monotonic,
         controller_id: str | None = None,
         num_controllers: int = 1,
+        router: Router | str | None = None,
+        index_source: IndexSource | None = None,
+        weights: RoutingWeights | None = None,
     ) -> None:
         """`controller_id`: unique per controller and start (generated when None);
         `num_controllers`: how many controllers, this one included, admit into the same
-        ranks (each promises from its lease of every rank's room; docs/admission.md)."""
+        ranks (each promises from its lease of every rank's room; docs/admission.md);
+        `router`: a Router or its name (None: precise_prefix where there is an index
+        source, else approx_prefix); `index_source(cursor)`: the block index's ops after
+        a cursor (default: the view source's `block_index_since`, if it has one)."""
         if callable(view_source):
             self._fetch: Callable[[], ClusterView] = view_source
         elif hasattr(view_source, "view"):
@@ -54,6 +70,18 @@ class AdmissionController:
             raise TypeError(
                 f"view_source must have .view() or be callable, got {type(view_source).__name__}"
             )
+        if index_source is None and not callable(view_source):
+            index_source = getattr(view_source, "block_index_since", None)
+        chosen = as_router(router) if router is not None else None
+        if chosen is None:
+            chosen = Router.APPROX_PREFIX if index_source is None else Router.PRECISE_PREFIX
+        if chosen is Router.PRECISE_PREFIX and index_source is None:
+            raise ValueError(
+                "router precise_prefix needs the cluster block index: pass index_source, "
+                "or a view source with block_index_since (KVFoldClient)"
+            )
+        self._index_source = index_source if chosen is Router.PRECISE_PREFIX else None
+        self.index_error: str | None = None  # why the last index update failed
         self.policy = AdmissionPolicy(
             policy,
             watermark_blocks,
@@ -61,7 +89,10 @@ class AdmissionController:
             no_fresh,
             controller_id=controller_id,
             num_controllers=num_controllers,
+            router=chosen,
+            weights=weights,
         )
+        self.router = chosen
         self.controller_id = self.policy.controller_id
         self.refresh_interval_s = refresh_interval_s
         self.clock = clock
@@ -85,6 +116,28 @@ class AdmissionController:
             return
         self.view_error = None
         self.load_view(view)
+        if self._index_source is not None:
+            self._update_index(view)
+
+    def _update_index(self, view: ClusterView) -> None:
+        replica = self.policy.blocks
+        if replica is None or replica.rank_to_node != list(view.rank_to_node):
+            replica = Replica(list(view.rank_to_node))
+        assert self._index_source is not None
+        try:
+            cursor, ops, whole = self._index_source(replica.cursor)
+        except Exception as e:  # the replica stays as it was; routing is only a preference
+            self.index_error = f"{type(e).__name__}: {e}"[:300]
+            return
+        with self.lock:
+            try:
+                replica.take(cursor, ops, whole or replica.cursor < 0)
+            except (ValueError, TypeError, KeyError, IndexError) as e:
+                replica.cursor = -1  # half applied: rebuilt whole next time
+                self.index_error = f"{type(e).__name__}: {e}"[:300]
+                return
+            self.index_error = None
+            self.policy.blocks = replica
 
     def load_view(self, view: ClusterView) -> None:
         with self.lock:

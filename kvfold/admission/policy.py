@@ -28,7 +28,9 @@ Outcomes, checked in this order:
     REJECT exceeds_rank_capacity    no fresh rank could hold it at its full length, empty
                                     (total - watermark_blocks; under either policy: a
                                     request that can never finish is never admitted)
-    ADMIT  fits | fits_prefix       the rank with the longest known prefix, then the most room
+    ADMIT  fits | fits_prefix       on the rank the router picks among those that fit
+                                    (kvfold.admission.routing; fits_prefix: it holds some
+                                    of the prompt, as far as the router knows)
     QUEUE  insufficient_free_blocks fits a rank's total, not its room now
 """
 
@@ -47,6 +49,14 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfold.admission.reservations import ReservationBook
+from kvfold.admission.routing import (
+    Router,
+    RoutingWeights,
+    SentPrefixes,
+    lowest,
+    precise_cost,
+)
+from kvfold.blockindex.feed import Replica
 from kvfold.checks import check_int, check_positive
 from kvfold.stats import Window, window_sort_key
 from kvfold.view import ClusterView, SourceState
@@ -103,6 +113,7 @@ class Decision:
     blocks: dict[Window, int] = field(default_factory=dict)
     ticket: Ticket | None = None
     policy: Policy | None = None
+    prefix_blocks: int = 0  # prompt blocks the chosen rank holds, as the router knew it
 
 
 def blocks_needed(
@@ -189,12 +200,16 @@ class AdmissionPolicy:
         controller_id: str | None = None,
         num_controllers: int = 1,
         affinity_keys: int = 200_000,
+        router: Router = Router.APPROX_PREFIX,
+        weights: RoutingWeights | None = None,
     ) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {policy!r}")
         check_int("watermark_blocks", watermark_blocks, 0)
         check_positive("reservation_ttl_s", reservation_ttl_s)
         check_int("num_controllers", num_controllers, 1)
+        if not isinstance(router, Router):
+            raise TypeError(f"router must be a Router, got {router!r}")
         if no_fresh not in (Outcome.QUEUE, Outcome.REJECT):
             raise ValueError(f"no_fresh must be QUEUE or REJECT, got {no_fresh!r}")
         self.capacity_policy = policy
@@ -214,6 +229,12 @@ class AdmissionPolicy:
         self._key_to_rank: OrderedDict[bytes, int] = OrderedDict()
         self._affinity_keys = affinity_keys
         self._rng = np.random.default_rng(list(self.controller_id.encode()))
+        self.router = router
+        self.weights = weights or RoutingWeights()
+        self.blocks: Replica | None = None  # the cluster block index, for precise_prefix
+        # precise_prefix: prompts this controller sent that the index may not show yet
+        self.sent = SentPrefixes(self.weights.sent_ttl_s)
+        self._turn = -1  # round_robin: the last rank chosen
 
     @property
     def reservations(self) -> list[str]:
@@ -311,22 +332,26 @@ class AdmissionPolicy:
             overflow = True
         if not fits.any():
             return Decision(Outcome.QUEUE, "insufficient_free_blocks", version, blocks=need)
-        rank, by_prefix = self._choose(request, fits, room, overflow)
+        rank, prefix = self._choose(request, fits, room, now_s, overflow)
         self.last_ticket += 1
         self.book.add(request.request_id, rank, self.last_ticket, need, now_s)
         need_rank = need_col[:, 0]
         self.reserved[:, rank] += need_rank
         self._room[:, rank] -= need_rank
-        self._remember(request.prefix_keys, rank)
+        if self.router is Router.APPROX_PREFIX:
+            self._remember(request.prefix_keys, rank)
+        elif self.router is Router.PRECISE_PREFIX:
+            self.sent.add(request.prefix_keys, rank, now_s)
         return Decision(
             Outcome.ADMIT,
-            "fits_prefix" if by_prefix else "fits",
+            "fits_prefix" if prefix else "fits",
             version,
             node=int(idx.rank_to_node[rank]),
             rank=rank,
             blocks=need,
             ticket=Ticket.trusted(self.controller_id, self.last_ticket),
             policy=self.capacity_policy,
+            prefix_blocks=prefix,
         )
 
     def _whole_room_where_no_lease_fits(self, idx: CapacityIndex, need_col: IntArray) -> IntArray:
@@ -344,12 +369,29 @@ class AdmissionPolicy:
         request: AdmissionRequest,
         fits: npt.NDArray[np.bool_],
         room: IntArray,
+        now_s: float,
         overflow: bool = False,
-    ) -> tuple[int, bool]:
-        """Longest known prefix first; then the most room in the tightest window (beyond
-        a lease, any rank that fits, at random: controllers that all overflow at once
-        would otherwise all pick the same roomiest rank)."""
-        if request.prefix_keys:
+    ) -> tuple[int, int]:
+        """The rank among those that fit, by the router (kvfold.admission.routing), and
+        the prompt blocks it holds as far as the router knows. Beyond a lease, any rank
+        that fits, at random: controllers that all overflow at once would otherwise all
+        pick the same rank."""
+        if overflow:
+            return int(self._rng.choice(np.flatnonzero(fits))), 0
+        router = self.router
+        if router is Router.PRECISE_PREFIX and self.blocks is not None and request.prefix_keys:
+            assert self.index is not None
+            match = self.blocks.index.match(request.prefix_keys, request.prompt_tokens)
+            B = self.index.tokens_per_block
+            match = self.sent.overlay(
+                match, request.prefix_keys, (request.prompt_tokens - 1) // B, now_s
+            )
+            load = self.index.total[0] - self.index.room[0] + self.reserved[0]
+            prompt_blocks = -(-request.prompt_tokens // B)
+            cost = precise_cost(match, prompt_blocks, load, self.weights)
+            rank = lowest(cost, fits, room.min(axis=0))
+            return rank, int(match.total[rank])
+        if router is Router.APPROX_PREFIX and request.prefix_keys:
             best, best_len = -1, 0
             for i, key in enumerate(request.prefix_keys):
                 r = self._key_to_rank.get(key)
@@ -358,11 +400,14 @@ class AdmissionPolicy:
                 if fits[r] and i + 1 > best_len:
                     best, best_len = r, i + 1
             if best >= 0:
-                return best, True
-        if overflow:
-            return int(self._rng.choice(np.flatnonzero(fits))), False
+                return best, best_len
+        if router is Router.ROUND_ROBIN:
+            order = np.flatnonzero(fits)
+            later = order[order > self._turn]
+            self._turn = int(later[0] if len(later) else order[0])
+            return self._turn, 0
         slack = np.where(fits, room.min(axis=0), -1)
-        return int(slack.argmax()), False
+        return int(slack.argmax()), 0
 
     def _remember(self, keys: Sequence[bytes], rank: int) -> None:
         table = self._key_to_rank

@@ -109,6 +109,16 @@ class KVFoldClient:
         """Publish a scheduler's cumulative admission decision counts ('outcome:reason')."""
         self._call("report_admission", scheduler, counts)
 
+    def block_index_since(self, cursor: int) -> tuple[int, list[Any], bool]:
+        """The cluster block index's ops after `cursor` (kvfold.blockindex.feed), for a
+        replica: (cursor now, ops, whole: the ops rebuild it from empty)."""
+        out: tuple[int, list[Any], bool] = pickle.loads(self._call("block_index_since", cursor))
+        return out
+
+    def block_index_counts(self) -> dict[str, Any]:
+        counts: dict[str, Any] = self._call("block_index_counts")
+        return counts
+
     def counts(self) -> dict[str, Any]:
         counts: dict[str, Any] = self._call("counts")
         return counts

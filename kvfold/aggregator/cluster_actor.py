@@ -19,15 +19,26 @@ from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
 from kvfold.aggregator.cluster_state import ClusterState
 from kvfold.aggregator.receiver import ACCEPTED
+from kvfold.blockindex.events import HOST, RANK, BlockHash, EventError, decode_envelope
+from kvfold.blockindex.feed import IndexFeed
+from kvfold.blockindex.index import BlockIndex, Source
 from kvfold.checks import is_int
 from kvfold.errors import ReportError
-from kvfold.naming import node_actor_name
-from kvfold.ray_actor import BackgroundLoop, Every, gone_among, incarnation_of, silent
+from kvfold.naming import node_actor_name, rank_actor_name
+from kvfold.ray_actor import (
+    BackgroundLoop,
+    Every,
+    gone_among,
+    incarnation_of,
+    named_actor,
+    silent,
+)
 from kvfold.stats import Window
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
 
 VERIFY_TIMEOUT_S = 2.0  # how long a node actor may take to confirm its incarnation
+SNAPSHOT_TIMEOUT_S = 5.0  # how long a source may take to hand over its keys
 CARRY_KEY = b"kvfold:carried-counters"  # in Ray's internal KV, per kvfold namespace
 
 
@@ -66,9 +77,17 @@ class ClusterAggregator:
         self.metrics_address: tuple[str, int] | None = None
         if metrics_port is not None:
             self._serve_metrics(metrics_host, metrics_port)
+        # the cluster block index (kvfold.blockindex), fed by the ranks' and host tiers'
+        # block events; controllers keep replicas of it (block_index_since)
+        self.blocks = IndexFeed(BlockIndex(self.topology.as_list()))
+        self.blocks_lock = threading.Lock()
+        self.events_refused = 0
+        self.events_error: str | None = None
         # notices freshness changes (a node going stale) even when no report arrives
         self.loop = BackgroundLoop("kvfold aggregator ticker", report_interval_s / 2, self._tick)
         self.loop.start()
+        self.resync = BackgroundLoop("kvfold block index resync", report_interval_s, self._resync)
+        self.resync.start()
 
     # ------------------------------------------------------------ Prometheus
 
@@ -174,6 +193,81 @@ class ClusterAggregator:
                     return None
                 self.cond.wait(min(left, self.report_interval_s))
             return self._view_bytes()
+
+    # ------------------------------------------------------------ block index
+
+    @ray.method(concurrency_group="events")
+    def block_events(self, data: bytes) -> str:
+        """One source's batch of block events (kvfold.blockindex.events): what became of
+        it ("applied", "kept", "duplicate", ...), or "refused" (counted)."""
+        try:
+            env = decode_envelope(data)
+            with self.blocks_lock:
+                return self.blocks.ingest(env)
+        except (EventError, ValueError) as e:
+            self.events_refused += 1
+            self.events_error = str(e)[:300]
+            return "refused"
+
+    def block_index_since(self, cursor: int) -> bytes:
+        """For a replica at `cursor`: (cursor now, ops after it, False), or (cursor now,
+        ops that rebuild the index from empty, True) when the log no longer reaches back.
+        Pickled: one trusted kvfold process to another, like the view."""
+        with self.blocks_lock:
+            now, ops = self.blocks.since(cursor)
+            whole = ops is None
+            if ops is None:
+                now, ops = self.blocks.snapshot_ops()
+            return pickle.dumps((now, ops, whole), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def block_index_counts(self) -> dict[str, Any]:
+        with self.blocks_lock:
+            idx = self.blocks.index
+            return {
+                **self.blocks.counts,
+                "refused": self.events_refused,
+                "last_error": self.events_error,
+                "entries": idx.num_entries,
+                "sources": len(idx.sources()),
+                "out_of_sync": [list(s) for s in self.blocks.wanted()],
+                "cursor": self.blocks.cursor,
+            }
+
+    def block_keys(self, kind: str, source: int) -> dict[int, list[BlockHash]]:
+        """What the index holds for one source, per window group (for checks)."""
+        with self.blocks_lock:
+            return {g: list(ks) for g, ks in self.blocks.index.keys_of((kind, source)).items()}
+
+    def _resync(self) -> None:
+        """Drop dead sources from the index; ask out-of-sync sources for their keys."""
+        with self.cond:
+            view = self._refresh()
+        dead: list[Source] = []
+        for node in view.nodes:
+            if node.state is SourceState.DEAD:
+                dead.append((HOST, node.node))
+            dead += [(RANK, r.rank) for r in node.ranks if r.state is SourceState.DEAD]
+        with self.blocks_lock:
+            for source in dead:
+                if source in self.blocks.streams or source in self.blocks.index.held:
+                    self.blocks.drop(source)
+            wanted = [s for s in self.blocks.wanted() if s not in dead]
+        asked = []
+        for kind, i in wanted:
+            name = rank_actor_name(i) if kind == RANK else node_actor_name(i)
+            actor = named_actor(name, self.namespace)
+            if actor is not None:
+                asked.append(actor.block_snapshot.remote())
+        if not asked:
+            return
+        ready, _ = ray.wait(asked, num_returns=len(asked), timeout=SNAPSHOT_TIMEOUT_S)
+        for ref in ready:
+            try:
+                snap = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue  # asked again next time
+            with self.blocks_lock:
+                self.blocks.install(snap)
 
     def memory_rss_bytes(self) -> int:
         """Resident memory of this process (for soak tests and operators)."""

@@ -21,7 +21,10 @@ from ray.exceptions import RayError
 
 from kvfold.aggregator.node_state import NodeState
 from kvfold.aggregator.receiver import ACCEPTED, LATE
+from kvfold.blockindex.events import HOST, Event
+from kvfold.blockindex.feed import Snapshot
 from kvfold.codec import encode_node_report
+from kvfold.event_publisher import EventPublisher
 from kvfold.hosttier import HostTierServer
 from kvfold.naming import AGGREGATOR_NAME, rank_actor_name
 from kvfold.ray_actor import (
@@ -70,6 +73,7 @@ class HostKVActor:
         self.pushes_acked = 0
         self._inflight: InFlight[None] = InFlight(MAX_INFLIGHT)
         self._probe = Every(5 * report_interval_s)
+        self.events = EventPublisher(HOST, node, self.incarnation, namespace)  # host tier's
         self.loop = BackgroundLoop(
             f"kvfold node {node} pusher", report_interval_s, self._push, MIN_PUSH_GAP_S
         ).start()
@@ -113,6 +117,36 @@ class HostKVActor:
         with self.lock:
             return self.host.get_packed(layout, window, keys)
 
+    # ------------------------------------------------------------ block events
+
+    def _host_events(self) -> list[Event]:  # holds self.lock
+        journal = self.host.pool.journal
+        return [] if journal is None else journal.drain()
+
+    def _drain_host_events(self) -> list[Event]:
+        with self.lock:
+            return self._host_events()
+
+    def publish_events(self) -> None:
+        """Send the host tier's block events now, waiting for the answer (tests, drivers)."""
+        self.events.publish(self._drain_host_events, VERIFY_TIMEOUT_S)
+
+    def host_keys(self) -> dict[int, list[bytes]]:
+        """Every key the host tier holds, per window group (for checks)."""
+        with self.lock:
+            return self.host.pool.reusable_keys()
+
+    def block_snapshot(self) -> Snapshot:
+        """Every key the host tier holds, per window group, with the event seq it stands at."""
+        journal = self.host.pool.journal
+
+        def take() -> tuple[dict[int, list[bytes]], dict[int, Window]]:
+            if journal is None:
+                return {}, {}
+            return self.host.pool.reusable_keys(), dict(enumerate(journal.windows))
+
+        return self.events.snapshot(self.lock, self._host_events, take)
+
     # ------------------------------------------------------------ queries
 
     def ping(self) -> int:
@@ -152,6 +186,7 @@ class HostKVActor:
         # wait a little for the answer, never long: a slow or restarting aggregator must
         # not hold back the next push (answers that come later are counted then)
         self._inflight.add(agg.node_report.remote(data), None)
+        self.events.publish(self._drain_host_events, 0.0)
         self._inflight.wait(3 * self.report_interval_s, last_only=True)
         self._settle()
         if self._probe.due(now):

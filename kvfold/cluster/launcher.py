@@ -233,7 +233,7 @@ def _start_aggregator(
     options = _actor_options(
         settings, AGGREGATOR_NAME, resources=_on_head_node(), max_restarts=-1, max_concurrency=32
     )
-    actor = ray.remote(concurrency_groups={"reports": 1})(ClusterAggregator)  # type: ignore[call-overload]
+    actor = ray.remote(concurrency_groups={"reports": 1, "events": 1})(ClusterAggregator)  # type: ignore[call-overload]
     return actor.options(**options).remote(
         placement.rank_to_node,
         list(settings.cache.windows),

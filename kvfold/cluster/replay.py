@@ -26,11 +26,13 @@ import ray
 from ray.exceptions import ActorDiedError, RayError
 
 from kvfold.admission import Policy
+from kvfold.blockindex.feed import Replica
 from kvfold.cluster.handle import KVFold
 from kvfold.cluster.scheduler_actor import start_schedulers
 from kvfold.errors import KVFoldError
 from kvfold.view import ClusterView
 from kvfold.worker.engine import StepResult
+from kvfold.worker.hashing import block_keys
 from kvfold.workload.recorder import ReplayRecorder, sample_view
 from kvfold.workload.requests import TraceRequest
 from kvfold.workload.scheduler import Admit, ReplayConfig, SchedulerSettings, StepOutcome
@@ -81,6 +83,7 @@ class _Replay:
                 prefix_affinity=config.prefix_affinity,
                 num_controllers=n if config.leases else 1,
                 name=f"replay-{i}",
+                router=config.router,
             )
             for i in range(n)
         ]
@@ -101,6 +104,11 @@ class _Replay:
         self.decisions: dict[str, int] = {}
         self.step = 0
         self.next_arrival = 0
+        self.tokens_per_block = tokens_per_block
+        # the driver's own copy of the cluster block index: what a perfect router could
+        # have reused when each request arrived (`available`)
+        self.blocks = Replica(list(kv.view().rank_to_node))
+        self.arrived_keys: dict[str, int] = {}
         self.start = time.monotonic()
         self.last_trace = 0.0
         self.last_sample = float("-inf")
@@ -115,6 +123,7 @@ class _Replay:
         """The requests arrived by `trace_now`, dealt round-robin among the schedulers."""
         n, arrivals = len(self.schedulers), self.arrivals
         dealt: list[list[TraceRequest]] = [[] for _ in range(n)]
+        first = self.next_arrival
         while (
             self.next_arrival < len(arrivals) and arrivals[self.next_arrival].arrival_s <= trace_now
         ):
@@ -122,7 +131,22 @@ class _Replay:
             dealt[k].append(req)
             self.owner[req.request_id] = k
             self.next_arrival += 1
+        if self.next_arrival > first:
+            self._available(arrivals[first : self.next_arrival])
         return dealt
+
+    def _available(self, arrived: Sequence[TraceRequest]) -> None:
+        """For each request arriving now: the longest run of its prompt's blocks, from the
+        first, that one rank (GPU, then its node's host tier) holds, as the index knows."""
+        with contextlib.suppress(KVFoldError):  # the aggregator is away: as it was
+            cursor, ops, whole = self.kv.client.block_index_since(self.blocks.cursor)
+            self.blocks.take(cursor, ops, whole or self.blocks.cursor < 0)
+        B = self.tokens_per_block
+        for req in arrived:
+            keys = block_keys(req.prompt, B)
+            m = self.blocks.index.match(keys, req.prompt_tokens)
+            self.rec.prompt_blocks += req.prompt_tokens // B
+            self.rec.available_blocks += m.longest
 
     def decide(self, trace_now: float) -> dict[int, list[Admit]]:
         """Every scheduler decides in parallel; return what each rank is to place, each
@@ -185,7 +209,7 @@ class _Replay:
                     continue
                 del self.unanswered[r]  # answered at last: what it carried was given up
             calls[r] = h.engine_step.remote(
-                admits.get(r, []), decode, drain_first=r in self.to_drain
+                admits.get(r, []), decode, drain_first=r in self.to_drain, now_s=trace_now
             )
         _, late = ray.wait(
             list(calls.values()), num_returns=len(calls), timeout=RANK_STEP_TIMEOUT_S
@@ -214,6 +238,14 @@ class _Replay:
 
     def _account(self, res: StepResult, trace_now: float) -> None:
         rec = self.rec
+        B = self.tokens_per_block
+        for p in res.prefills:
+            rid = str(p.seq_id)
+            if p.recomputed or rid in rec.ttft_s:
+                continue  # counted when it was first computed
+            rec.ttft_s[rid] = p.first_token_s - self.by_id[rid].arrival_s
+            rec.achieved_blocks += p.covered_tokens // B
+            rec.achieved_gpu_blocks += p.reused_tokens // B
         rec.decode_stalls += len(res.on_hold)
         rec.preemptions += len(res.preempted)
         if self.config.policy is Policy.GUARANTEED_NO_EVICT:  # a promise, broken

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvfold.blockindex.journal import EventJournal
 from kvfold.checks import check_int
 from kvfold.errors import IntegrityError
 from kvfold.hosttier.packing import unpack_blocks
@@ -79,6 +80,7 @@ class HostKVPool:
         self.dropped_blocks = 0
         self.evicted_blocks = 0
         self.refused_blocks = 0
+        self.journal: EventJournal | None = None  # block events (medium CPU), when asked
 
     @property
     def enabled(self) -> bool:
@@ -110,12 +112,16 @@ class HostKVPool:
         n = int(payload.size)
         self.storage[slot, :n] = payload
         self._entries[hk] = _Entry(slot, n)
+        if self.journal is not None and window in self.journal.group_of:
+            self.journal.stored(window, (key,), None)  # offloaded one by one: no parent known
         self.offloaded_blocks += 1
         self.offloaded_bytes += n
         return True
 
     def _evict_lru(self) -> None:
-        _, entry = self._entries.popitem(last=False)
+        (window, key), entry = self._entries.popitem(last=False)
+        if self.journal is not None and window in self.journal.group_of:
+            self.journal.removed(window, key)
         self._free_slots.append(entry.slot)
         self.evicted_blocks += 1
         if not entry.onboarded:
@@ -160,6 +166,18 @@ class HostKVPool:
         """Drop everything (counted as dropped when never onboarded)."""
         while self._entries:
             self._evict_lru()
+
+    def reusable_keys(self) -> dict[int, list[bytes]]:
+        """Per window group of the journal, every key the tier holds (what the cluster
+        block index should hold for this node's host tier)."""
+        out: dict[int, list[bytes]] = {}
+        if self.journal is None:
+            return out
+        for w, key in self._entries:
+            g = self.journal.group_of.get(w)
+            if g is not None:
+                out.setdefault(g, []).append(key)
+        return out
 
     def stats(self) -> HostStats:
         used = len(self._entries)

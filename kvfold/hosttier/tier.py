@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvfold.blockindex.events import CPU
+from kvfold.blockindex.journal import EventJournal
 from kvfold.hosttier.pool import HostKVPool
 from kvfold.stats import HostStats, Window
 from kvfold.worker.config import BlockLayout
@@ -21,6 +23,10 @@ class HostTierServer:
         self.pool = HostKVPool(num_blocks if slot_nbytes else 0, slot_nbytes)
         self.layout = layout
         self.refused_layout = 0  # calls refused for another block layout
+        if layout is not None and self.pool.enabled:
+            windows = [w for w, _ in layout.bytes_per_block]
+            self.pool.journal = EventJournal(windows, layout.tokens_per_block, CPU)
+            self.pool.journal.cleared()  # a new tier: whatever this node held before is gone
 
     def _admits(self, layout: BlockLayout) -> bool:
         if self.layout is not None and layout != self.layout:

@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from kvfold.blockindex.journal import EventJournal
 from kvfold.errors import IntegrityError
+from kvfold.stats import Window
 
 EvictListener = Callable[[int, bytes], None]
 """Called as (block_id, key) just before a cached block's key is dropped."""
@@ -34,6 +36,8 @@ class BlockPool:
         self.num_used = 0
         self.evicted_total = 0  # cumulative: cached blocks whose key was dropped
         self.evict_listener: EvictListener | None = None
+        self.journal: EventJournal | None = None  # block events: keys stored and dropped
+        self.window: Window = None  # which window group this pool is (for its events)
 
     @property
     def num_free(self) -> int:
@@ -95,6 +99,8 @@ class BlockPool:
                 key = keys[b]
                 if listener is not None:
                     listener(b, key)  # type: ignore[arg-type]
+                if self.journal is not None:
+                    self.journal.removed(self.window, key)  # type: ignore[arg-type]
                 del key_to_block[key]  # type: ignore[arg-type]
                 keys[b] = None
                 refs[b] = 1
@@ -110,22 +116,28 @@ class BlockPool:
             self.num_used += 1
         self.ref_counts[block] += 1
 
-    def set_key(self, block: int, key: bytes) -> bool:
-        """Key a full block so later prompts can reuse it. False if the key is taken."""
+    def set_key(self, block: int, key: bytes, parent: bytes | None = None) -> bool:
+        """Key a full block so later prompts can reuse it (`parent`: the key of the block
+        before it, for its block event). False if the key is taken."""
         if key in self.key_to_block:
             return False
         self.key_to_block[key] = block
         self.block_keys[block] = key
+        if self.journal is not None:
+            self.journal.stored(self.window, (key,), parent)
         return True
 
-    def set_keys(self, blocks: list[int], keys: list[bytes]) -> None:
-        """`set_key` for pairs of blocks and keys; keys already taken are skipped."""
+    def set_keys(self, blocks: list[int], keys: list[bytes], parent: bytes | None = None) -> None:
+        """`set_key` for pairs of blocks and keys, a run after `parent`; keys already
+        taken are skipped (another block holds them: still reusable here)."""
         key_to_block = self.key_to_block
         block_keys = self.block_keys
         for b, key in zip(blocks, keys, strict=False):
             if key not in key_to_block:
                 key_to_block[key] = b
                 block_keys[b] = key
+        if self.journal is not None and blocks and keys:
+            self.journal.stored(self.window, keys[: len(blocks)], parent)
 
     def release(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given.

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvfold.blockindex.journal import EventJournal
 from kvfold.stats import (
     VALID_STATUSES,
     BlockGauges,
@@ -52,6 +53,7 @@ class _PromptPlan:
     limit: int  # blocks [first, limit) may be reused or onboarded
     hits: list[int]  # cached blocks reused, from `first` on
     num_new: int  # blocks to take: onboarded into, or computed
+    pool_block_size: int  # tokens per block
     payloads: list[np.ndarray] = field(default_factory=list)  # from the host tier
 
 
@@ -62,6 +64,17 @@ class _GrowthPlan:
     window: Window
     pool: BlockPool
     growth: Growth
+
+
+def _covered(plan: _PromptPlan, num_blocks: int) -> int:
+    """How far into the prompt `num_blocks` blocks from the window's first cover it
+    (tokens; nothing when they are none)."""
+    return (plan.first + num_blocks) * plan.pool_block_size if num_blocks else 0
+
+
+def _parent(keys: list[bytes], i: int) -> bytes | None:
+    """The key of the block before block i (its block event's parent), if known."""
+    return keys[i - 1] if 0 < i <= len(keys) else None
 
 
 class PagedKVCache:
@@ -85,6 +98,9 @@ class PagedKVCache:
         # per window: the sequences' commitments summed (kvfold.worker.commitments)
         self.commit_sums = dict.fromkeys(self.windows, 0)
         self.num_refused = 0  # adds refused: they would over-commit a window (cumulative)
+        self.events = EventJournal(self.windows, self.block_size)  # block events, per batch
+        for w, pool in self.pools.items():
+            pool.window, pool.journal = w, self.events
         self.host: HostLink | None = None
         self.set_host_tier(host_tier)
 
@@ -165,6 +181,8 @@ class PagedKVCache:
             seq.tail = tokens[len(keys) * B :].tolist()
         for plan in plans:
             self._apply_prompt(seq, plan)
+        seq.prompt_reused_tokens = min(_covered(p, len(p.hits)) for p in plans)
+        seq.prompt_covered_tokens = min(_covered(p, len(p.hits) + len(p.payloads)) for p in plans)
         L = seq.num_tokens
         self._set_commitment(seq, {w: m.commitment(L, end) for w, m in self.managers.items()})
         if old is not None:
@@ -190,7 +208,7 @@ class PagedKVCache:
                 grows += num_new + sum(1 for b in hits if pool.ref_counts[b] == 0)
             if self.committed(w) + grows > pool.num_blocks:
                 return None
-            plans.append(_PromptPlan(w, pool, first, limit, hits, num_new))
+            plans.append(_PromptPlan(w, pool, first, limit, hits, num_new, self.block_size))
         return plans
 
     def committed(self, window: Window) -> int:
@@ -215,7 +233,8 @@ class PagedKVCache:
         new = self._take(w, pool, plan.num_new)
         for block, payload in zip(new, plan.payloads, strict=False):
             self.storage.write_block(w, block, payload)
-        pool.set_keys(new, seq.keys[plan.first + len(plan.hits) :])
+        start = plan.first + len(plan.hits)
+        pool.set_keys(new, seq.keys[start:], _parent(seq.keys, start))
         seq.tables[w] = plan.hits + new
         seq.first[w] = plan.first
         c = self.ledger.pending[w]
@@ -302,13 +321,13 @@ class PagedKVCache:
         w, pool, g, table = plan.window, plan.pool, plan.growth, seq.tables[plan.window]
         first0 = seq.first[w]
         for i in range(max(key_start, first0), min(len(seq.keys), first0 + len(table))):
-            pool.set_key(table[i - first0], seq.keys[i])
+            pool.set_key(table[i - first0], seq.keys[i], _parent(seq.keys, i))
         if g.num_release:
             pool.release(table[: g.num_release])
             self.released_refs[w] += g.num_release
             del table[: g.num_release]
         new = self._take(w, pool, g.num_new)
-        pool.set_keys(new, seq.keys[g.start :])
+        pool.set_keys(new, seq.keys[g.start :], _parent(seq.keys, g.start))
         table.extend(new)
         seq.first[w] = g.first
         self.ledger.pending[w].gen_alloc_blocks += g.num_new
@@ -383,6 +402,17 @@ class PagedKVCache:
 
     def block_keys(self, seq_id: SeqId) -> list[bytes]:
         return list(self._get(seq_id).keys)
+
+    def prompt_reuse(self, seq_id: SeqId) -> tuple[int, int]:
+        """(tokens of its prompt reused on this GPU, tokens reused or onboarded from the
+        host tier): the leading part every window found; the rest was computed."""
+        seq = self._get(seq_id)
+        return seq.prompt_reused_tokens, seq.prompt_covered_tokens
+
+    def reusable_keys(self) -> dict[int, list[bytes]]:
+        """Per window group (its index in `windows`), every key a prompt could reuse
+        now: what the cluster block index should hold for this rank."""
+        return {g: list(self.pools[w].key_to_block) for g, w in enumerate(self.windows)}
 
     def _check_window(self, window: Window) -> None:
         if window not in self.pools:

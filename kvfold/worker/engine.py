@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -33,6 +33,18 @@ class EngineRequest:
     ticket: Ticket | None = None
 
 
+class Prefill(NamedTuple):
+    """A prompt computed in a step: how much of it was reused on the GPU, how much more
+    came from the host tier, and when (trace s) its first token was out."""
+
+    seq_id: SeqId
+    prompt_tokens: int
+    reused_tokens: int
+    covered_tokens: int  # reused + onboarded
+    first_token_s: float
+    recomputed: bool = False  # a preempted sequence computed again
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     admitted: tuple[SeqId, ...]
@@ -43,11 +55,18 @@ class StepResult:
     decoded_tokens: int
     preempted: tuple[SeqId, ...] = ()  # blocks released, to be recomputed when they fit
     incarnation: int = 0  # the rank's, set by the rank actor: a change means it restarted
+    prefills: tuple[Prefill, ...] = ()  # prompts computed this step (timed when asked)
 
 
 class Engine(Protocol):
-    def step(self, admits: Sequence[EngineRequest] = (), decode_tokens: int = 1) -> StepResult:
-        """Run one engine step: decode what runs, finish what is done, admit `admits`."""
+    def step(
+        self,
+        admits: Sequence[EngineRequest] = (),
+        decode_tokens: int = 1,
+        now_s: float | None = None,
+    ) -> StepResult:
+        """Run one engine step at trace time `now_s` (None: untimed): decode what runs,
+        finish what is done, admit `admits`."""
         ...
 
     def drain(self) -> None:

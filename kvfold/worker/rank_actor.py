@@ -21,8 +21,11 @@ import ray
 import torch
 from ray.exceptions import RayError
 
+from kvfold.blockindex.events import RANK
+from kvfold.blockindex.feed import Snapshot
 from kvfold.codec import encode_rank_report
 from kvfold.errors import NodeUnavailable
+from kvfold.event_publisher import EventPublisher
 from kvfold.hosttier.packing import unpack_blocks
 from kvfold.naming import node_actor_name
 from kvfold.ray_actor import BackgroundLoop, InFlight, named_actor
@@ -145,6 +148,7 @@ class RankWorker:
         self.report_verdicts: dict[str, int] = {}
         self._inflight: InFlight[RankReport] = InFlight(MAX_INFLIGHT_REPORTS)
         self._report_lock = threading.Lock()  # one report path at a time
+        self.events = EventPublisher(RANK, rank, self.incarnation, namespace)
         self.loop = BackgroundLoop(f"kvfold rank {rank} reporter", report_interval_s, self._tick)
         if config is not None:
             self.bind(config)
@@ -158,9 +162,13 @@ class RankWorker:
             if self.host is not None and self.cache is not None:
                 self.host.settle(self.cache)  # answers for the old cache count there
                 self.host.pending.items.clear()  # the rest belong to a cache that is gone
-            if self.cache is not None:
-                self._refused_before += self.cache.num_refused
+            old = self.cache
+            if old is not None:
+                self._refused_before += old.num_refused
             self.cache = PagedKVCache(config, host_tier=self.host)
+            # a new cache starts its event stream empty: the index forgets whatever this
+            # rank held before (an older cache, or an earlier incarnation)
+            self.cache.events.cleared()
             self.engine = None if self.engine_factory is None else self.engine_factory(self.cache)
             self.layout = config.block_layout()
         return self.info()
@@ -180,6 +188,8 @@ class RankWorker:
             "reports_failed": self.reports_failed + self.loop.failures,
             "refused": self._refused_before + (self.cache.num_refused if self.cache else 0),
             "late_tickets": self.tickets.late,
+            "event_batches": self.events.seq,
+            "event_batches_failed": self.events.failed,
             **self._host_failures(),
         }
 
@@ -313,12 +323,14 @@ class RankWorker:
         decode_tokens: int = 1,
         report: bool = True,
         drain_first: bool = False,
+        now_s: float | None = None,
     ) -> StepResult:
         """One step of this rank's engine (kvfold.worker.engine; the simulated one by
         default). Each admit: (seq_id, prompt, max_new_tokens, salt[, policy, ticket]).
         `drain_first`: free everything the engine holds before the step, in the same call
         (a driver that gave the rank's work up; separate calls to this threaded actor
-        could run in either order)."""
+        could run in either order). `now_s`: the step's trace time, for the engine's
+        timing (kvfold.workload.timing)."""
         requests = [_engine_request(a) for a in admits]
         with self.lock:
             self._cache()
@@ -327,7 +339,7 @@ class RankWorker:
             if drain_first:
                 self.engine.drain()
             result = replace(
-                self.engine.step(requests, decode_tokens), incarnation=self.incarnation
+                self.engine.step(requests, decode_tokens, now_s), incarnation=self.incarnation
             )
             for req in requests:  # placed or refused: the rank has seen it
                 self.tickets.take(req.ticket)
@@ -376,9 +388,38 @@ class RankWorker:
             self._unreported = sum_deltas([report.deltas, self._unreported])
 
     def report_now(self) -> str:
-        """Build and push one report, waiting for the node's answer (for drivers and tests)."""
+        """Build and push one report and this rank's block events, waiting for the
+        answers (for drivers and tests)."""
         with self._report_lock:
-            return self._push(wait_s=ACK_TIMEOUT_S)
+            verdict = self._push(wait_s=ACK_TIMEOUT_S)
+            self._publish_events(wait_s=ACK_TIMEOUT_S)
+            return verdict
+
+    # ------------------------------------------------------------ block events
+
+    def _publish_events(self, wait_s: float) -> None:
+        self.events.publish(self._drain_events, wait_s)
+
+    def _drain_events(self) -> list[Any]:
+        with self.lock:
+            return [] if self.cache is None else self.cache.events.drain()
+
+    def reusable_keys(self) -> dict[int, list[bytes]]:
+        """Every key this rank's cache could reuse now, per window group (for checks)."""
+        with self.lock:
+            return {} if self.cache is None else self.cache.reusable_keys()
+
+    def block_snapshot(self) -> Snapshot:
+        """Every key this rank's cache could reuse now, per window group, with the event
+        seq it stands at (the cluster block index resynchronises from it)."""
+
+        def take() -> tuple[dict[int, list[bytes]], dict[int, Window]]:
+            cache = self.cache
+            if cache is None:
+                return {}, {}
+            return cache.reusable_keys(), dict(enumerate(cache.windows))
+
+        return self.events.snapshot(self.lock, self._drain_events, take)
 
     def _settle_reports(self) -> dict[Any, str]:
         """Account for reports whose answer has come since the last call (no waiting).
@@ -417,6 +458,7 @@ class RankWorker:
     def _tick(self) -> None:
         with self._report_lock:
             self._push(wait_s=3 * self.report_interval_s)
+            self._publish_events(wait_s=0.0)
 
 
 def _engine_request(admit: tuple[Any, ...] | list[Any]) -> EngineRequest:

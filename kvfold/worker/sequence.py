@@ -25,6 +25,10 @@ class SeqState:
     first: dict[Window, int] = field(default_factory=dict)  # logical index of tables[w][0]
     end: int = 0  # the length it is promised to reach (kvfold.worker.commitments)
     commit: dict[Window, int] = field(default_factory=dict)  # its commitment per window
+    # of its prompt, the leading tokens every window found cached on this rank's GPU, and
+    # those plus what the host tier onboarded (the rest was computed)
+    prompt_reused_tokens: int = 0
+    prompt_covered_tokens: int = 0
 
     @property
     def holds_blocks(self) -> bool:

@@ -11,7 +11,9 @@ Each `step(admits)`:
      would over-commit the rank is refused (kvfold.worker.commitments).
 
 A prefilled sequence starts decoding at the next step. The engine owns no
-policy: which request goes to which rank is the scheduler's decision.
+policy: which request goes to which rank is the scheduler's decision. Given the
+step's trace time, it charges its work on its own clock (kvfold.workload.timing) and
+says when each prompt's first token was out.
 """
 
 from __future__ import annotations
@@ -24,33 +26,50 @@ import numpy as np
 from kvfold.checks import check_int
 from kvfold.stats import SequenceStatus
 from kvfold.worker.cache import PagedKVCache
-from kvfold.worker.engine import EngineRequest, StepResult
+from kvfold.worker.engine import EngineRequest, Prefill, StepResult
 from kvfold.worker.sequence import SeqId
+from kvfold.workload.timing import EngineTiming
 
 VOCAB = 32_000
 
 
 class SimEngine:
-    def __init__(self, cache: PagedKVCache) -> None:
+    def __init__(self, cache: PagedKVCache, timing: EngineTiming | None = None) -> None:
         self.cache = cache
+        self.timing = timing or EngineTiming()
+        self.busy_until = 0.0  # trace s: when the work charged so far is done
+        self._prefills: list[Prefill] = []
         self.remaining: dict[SeqId, int] = {}  # new tokens still to produce
         self.requests: dict[SeqId, EngineRequest] = {}  # what each running one was placed as
         self.preempted: deque[tuple[EngineRequest, int, int]] = deque()  # (req, length, left)
+        self._clock: float | None = None  # the step's running trace time, when timed
 
-    def step(self, admits: Sequence[EngineRequest] = (), decode_tokens: int = 1) -> StepResult:
+    def step(
+        self,
+        admits: Sequence[EngineRequest] = (),
+        decode_tokens: int = 1,
+        now_s: float | None = None,
+    ) -> StepResult:
         """One engine step; each running sequence decodes up to `decode_tokens` tokens
-        (a coarse step stands for several engine iterations when time is compressed)."""
+        (a coarse step stands for several engine iterations when time is compressed).
+        `now_s`: the step's trace time (None: nothing is timed)."""
         check_int("decode_tokens", decode_tokens, 1)
         for req in admits:  # every request checked before the step changes anything
             if req.max_new_tokens < 1:
                 raise ValueError(
                     f"max_new_tokens must be >= 1, got {req.max_new_tokens} ({req.seq_id!r})"
                 )
+        self._prefills = []
+        self._clock = None if now_s is None else max(now_s, self.busy_until)
+        if self._clock is not None and self.remaining:
+            self._clock += decode_tokens * self.timing.decode_step_s
         finished, on_hold, decoded = self._decode(decode_tokens)
         preempted = self._preempt(on_hold) if on_hold and not (decoded or finished) else []
         if not preempted:  # the others move first: resuming now would undo the preemption
             self._resume()
         admitted, refused = self._admit(admits)
+        if self._clock is not None:
+            self.busy_until = self._clock
         return StepResult(
             admitted=tuple(admitted),
             refused=tuple(refused),
@@ -59,6 +78,7 @@ class SimEngine:
             num_running=len(self.remaining),
             decoded_tokens=decoded,
             preempted=tuple(preempted),
+            prefills=tuple(self._prefills),
         )
 
     def _preempt(self, on_hold: list[SeqId]) -> list[SeqId]:
@@ -90,6 +110,7 @@ class SimEngine:
             ):
                 return
             self.preempted.popleft()
+            self._prefilled(req.seq_id, recomputed=True)
             self.remaining[req.seq_id] = left
             self.requests[req.seq_id] = req
 
@@ -134,12 +155,23 @@ class SimEngine:
                 policy=req.policy,
             )
             if ok:
+                self._prefilled(req.seq_id)
                 self.remaining[req.seq_id] = req.max_new_tokens
                 self.requests[req.seq_id] = req
                 admitted.append(req.seq_id)
             else:
                 refused.append(req.seq_id)
         return admitted, refused
+
+    def _prefilled(self, sid: SeqId, recomputed: bool = False) -> None:
+        """Charge a prompt just placed: what it computed, what it onboarded."""
+        length = self.cache.num_tokens(sid)
+        reused, covered = self.cache.prompt_reuse(sid)
+        first = float("nan")
+        if self._clock is not None:
+            self._clock += self.timing.prefill_s(length - covered, covered - reused)
+            first = self._clock
+        self._prefills.append(Prefill(sid, length, reused, covered, first, recomputed))
 
     def _next_tokens(self, sid: SeqId, n: int) -> np.ndarray:
         start = self.cache.num_tokens(sid)

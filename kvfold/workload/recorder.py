@@ -88,6 +88,11 @@ class ReplayRecorder:
     admitted_tokens: int = 0  # prompt + max new tokens of every completed request
     last_completion_trace_s: float = 0.0
     queue_delays_s: list[float] = field(default_factory=list)  # trace seconds
+    ttft_s: dict[str, float] = field(default_factory=dict)  # per request, trace seconds
+    prompt_blocks: int = 0  # full prompt blocks of every request that arrived
+    available_blocks: int = 0  # ... that one rank (GPU, then host) held at arrival
+    achieved_blocks: int = 0  # ... reused on the GPU or onboarded, when placed
+    achieved_gpu_blocks: int = 0  # ... reused on the GPU
     decisions: Counter[str] = field(default_factory=Counter)
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
@@ -121,6 +126,7 @@ class ReplayRecorder:
             for s in self.samples
         ]
         span = self.last_completion_trace_s
+        ttft = list(self.ttft_s.values())
         return {
             "schedulers": self.schedulers,
             "requests": self.num_requests,
@@ -132,6 +138,14 @@ class ReplayRecorder:
             "queue_delay_p50_s": _pct(d, 0.5),
             "queue_delay_p99_s": _pct(d, 0.99),
             "queue_delay_mean_s": statistics.fmean(d) if d else 0.0,
+            "ttft_p50_s": _pct(ttft, 0.5),
+            "ttft_p90_s": _pct(ttft, 0.9),
+            "ttft_p99_s": _pct(ttft, 0.99),
+            "prompt_blocks": self.prompt_blocks,
+            "hit_rate_achieved": self.achieved_blocks / max(1, self.prompt_blocks),
+            "hit_rate_achieved_gpu": self.achieved_gpu_blocks / max(1, self.prompt_blocks),
+            "hit_rate_available": self.available_blocks / max(1, self.prompt_blocks),
+            "achieved_over_available": self.achieved_blocks / max(1, self.available_blocks),
             "overcommits": self.overcommits,
             "rank_refusals": self.rank_refusals,
             "rank_refusal_rate": self.rank_refusals / max(1, self.admitted + self.rank_refusals),
@@ -161,6 +175,12 @@ class ReplayRecorder:
                 f"queued at least once {s['ever_queued']}",
                 f"queueing delay (trace s): p50 {s['queue_delay_p50_s']:.2f}, "
                 f"p99 {s['queue_delay_p99_s']:.2f}, mean {s['queue_delay_mean_s']:.2f}",
+                f"time to first token (trace s, simulated engine): p50 {s['ttft_p50_s']:.2f}, "
+                f"p90 {s['ttft_p90_s']:.2f}, p99 {s['ttft_p99_s']:.2f}",
+                f"prompt blocks reused or onboarded {100 * s['hit_rate_achieved']:.1f}% "
+                f"(GPU {100 * s['hit_rate_achieved_gpu']:.1f}%) of {s['prompt_blocks']}; "
+                f"held somewhere at arrival {100 * s['hit_rate_available']:.1f}% "
+                f"(achieved/available {s['achieved_over_available']:.2f})",
                 f"GPU prefix hit rate {100 * s.get('gpu_hit_rate', 0):.1f}%, with host tier "
                 f"{100 * s.get('hit_rate_with_host', 0):.1f}% (reused {s.get('reused_blocks', 0)}, "
                 f"onboarded {s.get('onboarded_blocks', 0)}, missed {s.get('missed_blocks', 0)} "

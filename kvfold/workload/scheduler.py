@@ -24,8 +24,11 @@ from kvfold.admission import (
     FifoAdmissionQueue,
     Outcome,
     Policy,
+    Router,
     new_controller_id,
 )
+from kvfold.admission.controller import IndexSource
+from kvfold.admission.routing import as_router
 from kvfold.checks import check_int, check_positive
 from kvfold.view import ClusterView
 from kvfold.worker.hashing import block_keys
@@ -48,11 +51,13 @@ class ReplayConfig:
     prefix_affinity: bool = True
     schedulers: int = 1  # schedulers, each in its own process, sharing the ranks
     leases: bool = True  # each scheduler promises only its share of a rank's room
+    router: str = Router.PRECISE_PREFIX.value  # kvfold.admission.routing
 
     def __post_init__(self) -> None:
         for name in ("time_scale", "step_interval_s", "decode_tokens_per_s", "sample_interval_s"):
             check_positive(name, getattr(self, name))
         check_int("schedulers", self.schedulers, 1)
+        as_router(self.router)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,7 @@ class SchedulerSettings:
     prefix_affinity: bool = True
     num_controllers: int = 1
     name: str = "replay"
+    router: str = Router.PRECISE_PREFIX.value
 
 
 @dataclass(slots=True)
@@ -81,8 +87,14 @@ class StepOutcome:
 
 
 class ReplayScheduler:
-    def __init__(self, view_source: Callable[[], ClusterView], settings: SchedulerSettings) -> None:
+    def __init__(
+        self,
+        view_source: Callable[[], ClusterView],
+        settings: SchedulerSettings,
+        index_source: IndexSource | None = None,
+    ) -> None:
         self.settings = settings
+        router = as_router(settings.router)
         self.controller = AdmissionController(
             view_source,
             policy=settings.policy,
@@ -90,6 +102,12 @@ class ReplayScheduler:
             refresh_interval_s=settings.refresh_interval_s,
             num_controllers=settings.num_controllers,
             controller_id=new_controller_id(settings.name),
+            router=router,
+            index_source=index_source if router is Router.PRECISE_PREFIX else None,
+        )
+        self.needs_keys = settings.prefix_affinity and router in (
+            Router.APPROX_PREFIX,
+            Router.PRECISE_PREFIX,
         )
         self.by_id: dict[str, TraceRequest] = {}
         self.asked: dict[str, AdmissionRequest] = {}  # built (keys hashed) once per request
@@ -101,7 +119,7 @@ class ReplayScheduler:
         made = self.asked.get(req.request_id)
         if made is None:
             B = self.settings.tokens_per_block
-            keys = tuple(block_keys(req.prompt, B)) if self.settings.prefix_affinity else ()
+            keys = tuple(block_keys(req.prompt, B)) if self.needs_keys else ()
             made = AdmissionRequest(req.request_id, req.prompt_tokens, req.max_new_tokens, keys)
             self.asked[req.request_id] = made
         return made

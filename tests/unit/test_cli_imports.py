@@ -25,12 +25,16 @@ cli.main(sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("command", ["demo", "replay"])
+@pytest.mark.parametrize("command", ["demo", "replay", "compare"])
 def test_nothing_before_the_embedded_cluster_imports_ray(command: str, tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     row = {"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}
     trace.write_text(json.dumps(row) + "\n")
-    args = ["demo"] if command == "demo" else ["replay", str(trace), "--schedulers", "2"]
+    args = {
+        "demo": ["demo"],
+        "replay": ["replay", str(trace), "--schedulers", "2"],
+        "compare": ["compare", str(trace), "--limit", "1"],
+    }[command]
     res = subprocess.run(
         [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=120
     )

@@ -9,7 +9,7 @@ import sys
 import kvfold
 
 ROOT = pathlib.Path(kvfold.__file__).parent
-SHELLS = ("cli", "metrics")
+SHELLS = ("cli", "metrics", "event_publisher")
 
 
 def core_modules() -> list[str]:
@@ -51,14 +51,16 @@ def test_core_modules_do_not_import_ray() -> None:
 # aside) stands on the foundation alone; no two modules import each other.
 FLOORS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (0, ("kvfold.checks", "kvfold.errors", "kvfold.stats", "kvfold.topology", "kvfold.naming",
-         "kvfold.ray_env")),
+         "kvfold.ray_env", "kvfold.blockindex.events", "kvfold.blockindex.journal")),
     (1, ("kvfold.worker",)),
     (2, ("kvfold.hosttier", "kvfold.view", "kvfold.codec", "kvfold.aggregator.fold",
          "kvfold.aggregator.freshness", "kvfold.aggregator.receiver",
-         "kvfold.aggregator.node_state", "kvfold.aggregator.cluster_state")),
+         "kvfold.aggregator.node_state", "kvfold.aggregator.cluster_state",
+         "kvfold.blockindex")),
     (3, ("kvfold.admission", "kvfold.workload", "kvfold.metrics", "kvfold.display",
          "kvfold.live", "kvfold.kv_manager")),
-    (4, ("kvfold.ray_actor", "kvfold.worker.rank_actor", "kvfold.aggregator.node_actor",
+    (4, ("kvfold.ray_actor", "kvfold.event_publisher",
+         "kvfold.worker.rank_actor", "kvfold.aggregator.node_actor",
          "kvfold.aggregator.cluster_actor", "kvfold.aggregator.client", "kvfold.cluster",
          "kvfold.cli", "kvfold.aggregator")),
 )  # fmt: skip

@@ -1,0 +1,180 @@
+"""The cluster block index (kvfold.blockindex): event ingest, longest-prefix match,
+memory per entry, and decide() with precise routing, at 1,024 ranks on 128 nodes.
+
+Ingest counts block hashes applied per second from decoded batches (and, beside it,
+from msgpack bytes: the decode is in the aggregator's path too). The match is of a
+128-block prompt held, to various depths, by a hot set of ranks: the shape of shared
+system prompts. decide() is timed against the same controller routing by least load
+(the ratio says what precise routing adds).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import numpy as np
+from _report import info, percentile, report
+from bench_admission import view_at_scale
+
+from kvfold.admission import AdmissionController, AdmissionRequest, Outcome, Router
+from kvfold.blockindex.events import (
+    RANK,
+    BlockStored,
+    Envelope,
+    EventBatch,
+    decode_envelope,
+    encode_envelope,
+)
+from kvfold.blockindex.feed import IndexFeed, Replica
+from kvfold.blockindex.index import BlockIndex
+
+WORLD, GPN = 1024, 8
+RANK_TO_NODE = [r // GPN for r in range(WORLD)]
+
+
+def _keys(n: int, base: int = 0) -> list[bytes]:
+    return [(base + i).to_bytes(32, "little") for i in range(n)]
+
+
+def ingest() -> None:
+    """Batches of 64 stored blocks, round-robin over ranks; the rate of block hashes."""
+    n_batches, per = 4000, 64
+    envs = [
+        Envelope(
+            RANK,
+            i % WORLD,
+            1,
+            i // WORLD + 1,
+            EventBatch(0.0, (BlockStored(tuple(_keys(per, i * per)), None, 16),)),
+        )
+        for i in range(n_batches)
+    ]
+    wire = [encode_envelope(e) for e in envs]
+    rates, wire_rates = [], []
+    for _ in range(3):
+        feed = IndexFeed(BlockIndex(RANK_TO_NODE))
+        t0 = time.perf_counter()
+        for e in envs:
+            feed.ingest(e)
+        rates.append(n_batches * per / (time.perf_counter() - t0))
+        feed = IndexFeed(BlockIndex(RANK_TO_NODE))
+        t0 = time.perf_counter()
+        for data in wire:
+            feed.ingest(decode_envelope(data))
+        wire_rates.append(n_batches * per / (time.perf_counter() - t0))
+    rate, wire_rate = sorted(rates)[1], sorted(wire_rates)[1]
+    report("ingest: block events applied per second, one core", rate, "/s", 1e6, False)
+    info("  from msgpack bytes (decode + apply)", wire_rate, "/s")
+
+
+def hot_index() -> tuple[BlockIndex, list[bytes]]:
+    """A 128-block prompt of a multi-turn conversation behind a shared system prompt:
+    256 ranks hold its first 16 blocks (the system prompt), 16 ranks its first 64 (an
+    earlier turn), 2 ranks all 128, and 8 nodes' host tiers its first 32; every rank
+    also holds 2,000 blocks of its own."""
+    idx = BlockIndex(RANK_TO_NODE)
+    prompt = _keys(128, 10**9)
+    rng = np.random.default_rng(0)
+    hot = rng.choice(WORLD, 256, replace=False).tolist()
+    for i, r in enumerate(hot):
+        depth = 128 if i < 2 else 64 if i < 18 else 16
+        idx.store((RANK, r), 0, prompt[:depth])
+    for r in range(WORLD):
+        idx.store((RANK, r), 0, _keys(2000, (r + 1) * 10**6))
+    idx.windows[0], idx.block_size = None, 16
+    for n in rng.choice(WORLD // GPN, 8, replace=False).tolist():
+        idx.store(("host", n), 0, prompt[:32])
+    return idx, prompt
+
+
+def match() -> BlockIndex:
+    idx, prompt = hot_index()
+    lat = []
+    for _ in range(3000):
+        t0 = time.perf_counter()
+        idx.match(prompt, 128 * 16 + 1)  # the answer, compressed (Runs)
+        lat.append(time.perf_counter() - t0)
+    med = sorted(lat)[len(lat) // 2]
+    report("longest-prefix match, 128-block prompt, 1,024 ranks, median", med * 1e6, "us", 20.0)
+    info("  p99", percentile(lat, 0.99) * 1e6, "us")
+    for name, depth in (("no rank holds it", 0), ("64 ranks at 64 different depths", 64)):
+        other, keys = BlockIndex(RANK_TO_NODE), _keys(128, 7 * 10**9)
+        for i in range(depth):
+            other.store((RANK, i * 16), 0, keys[: 2 * i + 1])
+        other.windows[0], other.block_size = None, 16
+        lat = []
+        for _ in range(2000):
+            t0 = time.perf_counter()
+            other.match(keys, 128 * 16 + 1)
+            lat.append(time.perf_counter() - t0)
+        info(f"  match when {name}, median", sorted(lat)[1000] * 1e6, "us")
+    return idx
+
+
+def memory() -> None:
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    idx = BlockIndex(RANK_TO_NODE)
+    keys = _keys(250_000)
+    for r in range(4):  # a million (key, rank) entries: each key on 4 ranks
+        idx.store((RANK, r * 200), 0, keys)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    keys_bytes = 250_000 * (32 + 33)  # the 32-byte keys themselves, as Python bytes
+    info("index memory per million (key, rank) entries", used / 2**20, "MiB")
+    info("  of which the keys themselves", keys_bytes / 2**20, "MiB")
+    assert idx.num_entries == 1_000_000
+
+
+def decide(idx: BlockIndex) -> None:
+    view = view_at_scale(WORLD, GPN)
+    prompt = _keys(128, 10**9)
+    replica = Replica(RANK_TO_NODE)
+    replica.index = idx
+    results = {}
+    for router in (Router.LEAST_LOADED, Router.PRECISE_PREFIX):
+        ctl = AdmissionController(
+            lambda: view,
+            refresh_interval_s=3600.0,
+            router=router,
+            index_source=lambda cursor: (cursor, [], False),
+        )
+        ctl.refresh(force=True)
+        ctl.policy.blocks = replica
+        lat = []
+        for i in range(10_000):
+            n = 32 + i % 97
+            req = AdmissionRequest(f"r{i}", n * 16 + 1, 256, tuple(prompt[:n]))
+            t0 = time.perf_counter()
+            d = ctl.decide(req)
+            lat.append(time.perf_counter() - t0)
+            if d.outcome is Outcome.ADMIT:
+                ctl.release(req.request_id)
+        lat = lat[500:]
+        results[router] = percentile(lat, 0.99)
+    info("decide() least_loaded, p99 (same run)", results[Router.LEAST_LOADED] * 1e6, "us")
+    report(
+        "decide() precise_prefix, p99 (1,024 ranks, 128 nodes)",
+        results[Router.PRECISE_PREFIX] * 1e6,
+        "us",
+        100.0,
+    )
+    info(
+        "  ratio to least_loaded",
+        results[Router.PRECISE_PREFIX] / results[Router.LEAST_LOADED],
+        "x",
+    )
+
+
+if __name__ == "__main__":
+    ingest()
+    idx = match()
+    memory()
+    decide(idx)

@@ -1,0 +1,151 @@
+"""Which rank an admitted request goes to, among the ranks that have room for it.
+
+    round_robin     the next rank that fits, in turn
+    least_loaded    the most room in the tightest window
+    approx_prefix   the rank this controller last *sent* the prompt's longest known
+                    prefix to (what routers without engine data do), else least loaded
+    precise_prefix  the lowest cost by what the ranks actually hold (the cluster block
+                    index, kvfold.blockindex), as Dynamo's KV router scores workers:
+
+        cost(r) = overlap_weight x prefill_blocks(r) + active_blocks(r)
+        prefill_blocks(r) = prompt blocks - gpu(r) - (1 - onboard_cost) x host(r)
+        active_blocks(r)  = blocks committed or promised on r, plus the blocks the
+                            request would add there (prompt blocks - gpu(r): what it
+                            shares is not held twice)
+
+    gpu(r): the prompt's blocks on r's GPU, from the first; host(r): those its node's
+    host tier could onboard after them (each costs `onboard_cost` of computing it:
+    a copy over the host link instead of prefill). Ties go to the most room.
+
+    The index shows what a rank holds once its events have come in (a report interval
+    or so); a prompt this controller sent a moment ago is not there yet. So, as
+    Dynamo's router does with its own decisions, the controller also counts the
+    prompts it sent in the last `sent_ttl_s` as held by the rank it sent them to
+    (`SentPrefixes`), until the index can show them.
+
+Only the choice among ranks that fit is made here; whether a request fits, and what is
+promised, is the admission policy's (kvfold.admission.policy), whatever the router.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import repeat, takewhile
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfold.blockindex.index import Match
+from kvfold.checks import check_positive
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+class Router(enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    APPROX_PREFIX = "approx_prefix"
+    PRECISE_PREFIX = "precise_prefix"
+
+
+def as_router(value: Router | str) -> Router:
+    if isinstance(value, Router):
+        return value
+    try:
+        return Router(value)
+    except ValueError:
+        names = [r.value for r in Router]
+        raise ValueError(f"router must be one of {names}, got {value!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingWeights:
+    """overlap_weight: Dynamo's default 1.0 (a prefill block weighs one resident block).
+    onboard_cost: an onboarded host block's cost relative to computing it; the default is
+    the simulated engine's own ratio (kvfold.workload.timing: 2 MiB over 25 GB/s against
+    16 tokens at 12,000 tokens/s)."""
+
+    overlap_weight: float = 1.0
+    onboard_cost: float = 0.06
+    sent_ttl_s: float = 2.0  # how long a sent prompt counts as held, before the index shows it
+
+    def __post_init__(self) -> None:
+        check_positive("overlap_weight", self.overlap_weight)
+        check_positive("sent_ttl_s", self.sent_ttl_s)
+        if not 0.0 <= self.onboard_cost <= 1.0:
+            raise ValueError(f"onboard_cost must be in [0, 1], got {self.onboard_cost!r}")
+
+
+def precise_cost(
+    match: Match, prompt_blocks: int, load_blocks: IntArray, weights: RoutingWeights
+) -> npt.NDArray[np.float64]:
+    """cost(r) per rank (lower is better); see the module's docstring."""
+    host = match.total - match.gpu
+    prefill = prompt_blocks - match.gpu - (1.0 - weights.onboard_cost) * host
+    return weights.overlap_weight * prefill + load_blocks + (prompt_blocks - match.gpu)
+
+
+def lowest(cost: npt.NDArray[np.float64], fits: BoolArray, room: IntArray) -> int:
+    """The rank that fits with the lowest cost; ties to the most room."""
+    c = np.where(fits, cost, np.inf)
+    best = np.flatnonzero(c == c.min())
+    if len(best) == 1:
+        return int(best[0])
+    return int(best[np.argmax(room[best])])
+
+
+class SentPrefixes:
+    """Prompts this controller sent in the last `ttl_s`: each key -> the rank it was
+    sent to (the newest sending wins). A prompt's reusable blocks (all but the last
+    token's) count as held by that rank. Adding and looking up are C-level passes over
+    the keys; each key is expired once."""
+
+    def __init__(self, ttl_s: float, max_sends: int = 100_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_sends = max_sends
+        self._rank: dict[bytes, int] = {}
+        self._send: dict[bytes, int] = {}  # key -> the sending that set it
+        self._sends: deque[tuple[float, int, Sequence[bytes]]] = deque()  # (when, no, keys)
+        self._no = 0
+
+    def add(self, keys: Sequence[bytes], rank: int, now_s: float) -> None:
+        if not keys:
+            return
+        self._no += 1
+        self._rank.update(zip(keys, repeat(rank)))
+        self._send.update(zip(keys, repeat(self._no)))
+        self._sends.append((now_s, self._no, keys))
+        if len(self._sends) > self.max_sends:
+            self._expire(float("inf"), len(self._sends) - self.max_sends)
+
+    def _expire(self, cutoff: float, at_least: int = 0) -> None:
+        sends, send, rank = self._sends, self._send, self._rank
+        while sends and (at_least > 0 or sends[0][0] < cutoff):
+            _, no, keys = sends.popleft()
+            at_least -= 1
+            for k in keys:
+                if send.get(k) == no:  # not sent again since
+                    del send[k]
+                    del rank[k]
+
+    def overlay(self, match: Match, keys: Sequence[bytes], reusable: int, now_s: float) -> Match:
+        """`match`, with the rank the prompt's first block was sent to holding at least the
+        run sent there (capped at the `reusable` blocks: all but the last token's)."""
+        self._expire(now_s - self.ttl_s)
+        if not self._rank or not keys:
+            return match
+        rank = self._rank.get(keys[0])
+        if rank is None:
+            return match
+        sent = list(map(self._rank.get, keys[:reusable], repeat(-1)))
+        run = len(list(takewhile(rank.__eq__, sent)))
+        if run <= match.gpu[rank]:
+            return match
+        gpu, total = match.gpu.copy(), match.total.copy()
+        gpu[rank] = run
+        total[rank] = max(total[rank], run)
+        return Match(gpu, total)

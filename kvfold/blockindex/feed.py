@@ -1,0 +1,217 @@
+"""IndexFeed: per-source event streams into a BlockIndex, and the op log its replicas follow.
+
+Each source (a rank's GPU cache, a node's host tier) numbers its batches 1, 2, ... per
+incarnation. The feed applies a source's batches in that order:
+
+    next seq                    applied
+    seq already applied         ignored (a duplicate)
+    a gap, or a new incarnation
+        not starting at 1       the source is out of sync: its batches are kept aside,
+                                and it is listed in `wanted()` until a snapshot of its
+                                keys (taken with the seq it stands at) is installed;
+                                the kept batches after it then apply in order
+    new incarnation at seq 1    its old entries are dropped; it starts empty
+    a dead source               `drop()`: its entries leave the index
+
+A batch is never empty; an envelope with no events is a heartbeat: "I stand at seq",
+sent now and then by an idle source, so a lost last batch is noticed even when
+nothing follows it.
+
+Every change to the index is also appended to a bounded op log; a replica (a
+controller's copy, kvfold.blockindex.feed.Replica) asks for the ops after its cursor,
+or for a whole snapshot when it fell behind the log. Pure; no Ray.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfold.blockindex.events import BlockHash, Envelope, Event
+from kvfold.blockindex.index import BlockIndex, Source
+from kvfold.stats import Window
+
+MAX_KEPT_BATCHES = 256  # per source while out of sync; the snapshot covers what is dropped
+MAX_RETIRED = 8  # incarnations of a source remembered, so their late batches are ignored
+
+# op log entries: ("apply", source, events) | ("reset", source, keys by group, windows)
+#                 | ("drop", source)
+Op = tuple[Any, ...]
+
+
+@dataclass(slots=True)
+class _Stream:
+    incarnation: int
+    seq: int = 0  # the last batch applied (or the snapshot's seq)
+    synced: bool = True
+    kept: dict[int, tuple[Event, ...]] = field(default_factory=dict)
+    retired: deque[int] = field(default_factory=lambda: deque(maxlen=MAX_RETIRED))
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A source's keys per group, as of batch `seq` of `incarnation` (taken together)."""
+
+    kind: str
+    source: int
+    incarnation: int
+    seq: int
+    keys: Mapping[int, Sequence[BlockHash]]
+    windows: Mapping[int, Window]
+
+
+class IndexFeed:
+    def __init__(self, index: BlockIndex, log_size: int = 4096) -> None:
+        self.index = index
+        self.streams: dict[Source, _Stream] = {}
+        self.log: deque[Op] = deque(maxlen=log_size)
+        self.cursor = 0  # ops appended so far; the log holds the last len(log) of them
+        self.counts = {
+            "applied": 0,
+            "duplicate": 0,
+            "kept": 0,
+            "gaps": 0,
+            "snapshots": 0,
+            "stale_incarnation": 0,
+            "dropped": 0,
+            "heartbeat": 0,
+        }
+
+    # ------------------------------------------------------------------ intake
+
+    def _op(self, op: Op) -> None:
+        kind = op[0]
+        if kind == "apply":
+            self.index.apply(op[1], op[2])
+        elif kind == "reset":
+            self.index.reset(op[1], op[2], op[3])
+        else:
+            self.index.clear(op[1])
+        self.log.append(op)
+        self.cursor += 1
+
+    def ingest(self, env: Envelope) -> str:
+        """Take one batch; return what became of it (a key of `counts`)."""
+        source: Source = (env.kind, env.source)
+        self.index.check_source(source)
+        st = self.streams.get(source)
+        if st is None or st.incarnation != env.incarnation:
+            if st is not None and env.incarnation in st.retired:
+                return self._count("stale_incarnation")
+            fresh = _Stream(env.incarnation)
+            if st is not None:
+                fresh.retired.extend(st.retired)
+                fresh.retired.append(st.incarnation)
+            self.streams[source] = st = fresh
+            if source in self.index.held:
+                self._op(("drop", source))  # a new incarnation: the old one's keys are gone
+            if env.seq != 1 or not env.batch.events:  # joined late: what it held is unknown
+                st.synced = False
+                self.counts["gaps"] += 1
+        if not env.batch.events:  # a heartbeat: only says where the source stands
+            if env.seq > st.seq and st.synced:
+                st.synced = False
+                self.counts["gaps"] += 1
+            return self._count("heartbeat")
+        if env.seq <= st.seq:
+            return self._count("duplicate")
+        if st.synced and env.seq == st.seq + 1:
+            self._apply(source, st, env.seq, env.batch.events)
+            return self._count("applied")
+        if st.synced:
+            st.synced = False
+            self.counts["gaps"] += 1
+        st.kept[env.seq] = env.batch.events
+        while len(st.kept) > MAX_KEPT_BATCHES:
+            del st.kept[min(st.kept)]
+        return self._count("kept")
+
+    def _count(self, what: str) -> str:
+        self.counts[what] += 1
+        return what
+
+    def _apply(self, source: Source, st: _Stream, seq: int, events: tuple[Event, ...]) -> None:
+        self._op(("apply", source, events))
+        st.seq = seq
+
+    def wanted(self) -> list[Source]:
+        """Sources out of sync: each needs a snapshot (`install`)."""
+        return [s for s, st in self.streams.items() if not st.synced]
+
+    def install(self, snap: Snapshot) -> None:
+        """Reset a source to its snapshot, then apply the kept batches after it."""
+        source: Source = (snap.kind, snap.source)
+        self.index.check_source(source)
+        st = self.streams.get(source)
+        if st is None or st.incarnation != snap.incarnation:
+            old = st
+            st = self.streams[source] = _Stream(snap.incarnation)
+            if old is not None:
+                st.retired.extend(old.retired)
+                st.retired.append(old.incarnation)
+        self._op(("reset", source, dict(snap.keys), dict(snap.windows)))
+        self.counts["snapshots"] += 1
+        st.seq, st.synced = snap.seq, True
+        for seq in sorted(st.kept):
+            if seq <= st.seq:
+                continue
+            if seq != st.seq + 1:
+                st.synced = False  # still a hole: another snapshot
+                break
+            self._apply(source, st, seq, st.kept[seq])
+        st.kept = {s: e for s, e in st.kept.items() if s > st.seq} if not st.synced else {}
+
+    def drop(self, source: Source) -> None:
+        """A dead or removed source: its entries leave the index; it starts over if it
+        comes back."""
+        self.streams.pop(source, None)
+        if source in self.index.held:
+            self._op(("drop", source))
+            self.counts["dropped"] += 1
+
+    # ------------------------------------------------------------------ replicas
+
+    def since(self, cursor: int) -> tuple[int, list[Op] | None]:
+        """The ops after `cursor` (None: the log no longer reaches back: take `snapshot`)."""
+        behind = self.cursor - cursor
+        if behind < 0 or behind > len(self.log):
+            return self.cursor, None
+        if behind == 0:
+            return self.cursor, []
+        return self.cursor, list(self.log)[len(self.log) - behind :]
+
+    def snapshot_ops(self) -> tuple[int, list[Op]]:
+        """Ops that rebuild the whole index from empty, and the cursor they stand at."""
+        idx = self.index
+        ops: list[Op] = [
+            ("reset", s, {g: list(ks) for g, ks in idx.keys_of(s).items()}, dict(idx.windows))
+            for s in idx.sources()
+        ]
+        return self.cursor, ops
+
+
+class Replica:
+    """A copy of an index, kept up to date from an IndexFeed's op log (a controller's)."""
+
+    def __init__(self, rank_to_node: list[int]) -> None:
+        self.rank_to_node = list(rank_to_node)
+        self.index = BlockIndex(self.rank_to_node)
+        self.cursor = -1  # nothing taken yet
+        self.resets = 0  # whole snapshots taken (first sync, or fell behind)
+
+    def take(self, cursor: int, ops: Iterable[Op] | None, whole: bool = False) -> None:
+        """Apply ops that follow this replica's cursor; `whole`: they rebuild it from empty."""
+        if whole:
+            self.index = BlockIndex(self.rank_to_node)
+            self.resets += 1
+        for op in ops or ():
+            kind = op[0]
+            if kind == "apply":
+                self.index.apply(op[1], op[2])
+            elif kind == "reset":
+                self.index.reset(op[1], op[2], op[3])
+            else:
+                self.index.clear(op[1])
+        self.cursor = cursor

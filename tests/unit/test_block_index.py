@@ -1,0 +1,237 @@
+"""Block events read from vLLM's own bytes, the journal's compaction, the index's matches,
+and the router's choice (precise_prefix) over them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvfold.admission import AdmissionPolicy, AdmissionRequest, Outcome, Router
+from kvfold.blockindex.events import (
+    GPU,
+    HOST,
+    RANK,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    EventBatch,
+    EventError,
+    decode_batch,
+    decode_envelope,
+    encode_batch,
+    encode_envelope,
+)
+from kvfold.blockindex.feed import IndexFeed, Replica, Snapshot
+from kvfold.blockindex.index import BlockIndex
+from kvfold.blockindex.journal import EventJournal
+from kvfold.topology import Topology
+from kvfold.worker.hashing import block_keys
+from tests.unit.test_admission import make_view
+
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-kv-events"
+FIXTURE_FILES = (
+    "batches-int-hashes.json",
+    "batches-bytes-hashes.json",
+    "batches-int-hashes-vllm-0.11.json",
+)
+
+
+def _steps(name: str) -> list[dict]:  # type: ignore[type-arg]
+    path = FIXTURES / name
+    if not path.exists():
+        pytest.skip(f"vLLM event fixtures not found at {FIXTURES} (the project's shared folder)")
+    return json.loads(path.read_text())["steps"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", FIXTURE_FILES)
+def test_vllm_batches_replay_to_what_vllm_held(name: str) -> None:
+    """vLLM's own bytes, both encodings and both hash kinds: after each step the index
+    holds exactly the hashes vLLM said it held."""
+    idx = BlockIndex([0])
+    as_bytes = "bytes" in name
+    for step in _steps(name):
+        batch = decode_batch(bytes.fromhex(step["payload"]))
+        assert [type(e).__name__ for e in batch.events] == step["events"]
+        idx.apply((RANK, 0), batch.events)
+        want = {bytes.fromhex(h) if as_bytes else h for h in step["cached_after"]}
+        assert idx.keys_of((RANK, 0)).get(0, set()) == want, step["step"]
+
+
+def test_vllm_zmq_frames_carry_the_same_batches() -> None:
+    path = FIXTURES / "zmq-int-hashes.json"
+    if not path.exists():
+        pytest.skip(f"vLLM event fixtures not found at {FIXTURES}")
+    frames = json.loads(path.read_text())["sub_frames"]
+    steps = _steps("batches-int-hashes.json")
+    for i, (_topic, seq, payload) in enumerate(frames):
+        assert int(seq, 16) == i
+        assert decode_batch(bytes.fromhex(payload)) == decode_batch(
+            bytes.fromhex(steps[i]["payload"])
+        )
+
+
+def test_bad_batches_are_refused_by_name() -> None:
+    for data, words in [
+        (b"\xc1", "not msgpack"),
+        (encode_batch(EventBatch(0.0, ())) + b"x", "not msgpack"),
+        (b"\x93\xa1x\x90\xc0", "ts must be a number"),
+        (b"\x93\x00\x91\x81\xa4type\xa3Foo\xc0", "unknown event type"),
+    ]:
+        with pytest.raises(EventError, match=words):
+            decode_batch(data)
+    with pytest.raises(EventError, match="source kind"):
+        decode_envelope(encode_envelope(Envelope("gpu", 0, 1, 1)))
+
+
+def test_our_events_round_trip_in_vllm_shape() -> None:
+    batch = EventBatch(
+        1.5,
+        (
+            BlockStored((b"a" * 32, b"b" * 32), None, 16, GPU, 1, 128),
+            BlockRemoved((7,), "CPU", 0),
+            AllBlocksCleared(),
+        ),
+        3,
+    )
+    assert decode_batch(encode_batch(batch)) == batch
+    env = Envelope(HOST, 2, 9, 4, batch)
+    assert decode_envelope(encode_envelope(env)) == env
+
+
+def test_journal_compacts_within_a_batch_and_keeps_true_parents() -> None:
+    j = EventJournal([None], 4)
+    j.stored(None, [b"k1", b"k2", b"k3"], b"k0")
+    j.removed(None, b"k2")  # stored and removed: cancels
+    j.removed(None, b"old")  # held before: reported removed
+    j.removed(None, b"again")
+    j.stored(None, [b"again"], None)  # removed then stored: nothing
+    events = j.drain()
+    assert events == [
+        BlockRemoved((b"old",), GPU, 0),
+        BlockStored((b"k1",), b"k0", 4, GPU, 0, None),
+        BlockStored((b"k3",), b"k2", 4, GPU, 0, None),
+    ]
+    assert j.drain() == [] and not j
+
+
+def test_a_lost_last_batch_is_noticed_by_the_next_heartbeat() -> None:
+    feed = IndexFeed(BlockIndex([0, 0]))
+    stored = (BlockStored((b"a",), None, 4),)
+    assert feed.ingest(Envelope(RANK, 1, 5, 1, EventBatch(0.0, stored))) == "applied"
+    # batch 2 is lost; nothing follows it but the source's heartbeat at seq 2
+    assert feed.ingest(Envelope(RANK, 1, 5, 2, EventBatch(0.0, ()))) == "heartbeat"
+    assert feed.wanted() == [(RANK, 1)]
+    feed.install(Snapshot(RANK, 1, 5, 2, {0: [b"a", b"b"]}, {0: None}))
+    assert feed.wanted() == [] and feed.index.keys_of((RANK, 1)) == {0: {b"a", b"b"}}
+
+
+def test_batches_kept_while_out_of_sync_apply_after_the_snapshot() -> None:
+    feed = IndexFeed(BlockIndex([0]))
+    ev = [EventBatch(0.0, (BlockStored((k,), None, 4),)) for k in (b"a", b"b", b"c", b"d")]
+    feed.ingest(Envelope(RANK, 0, 1, 1, ev[0]))
+    assert feed.ingest(Envelope(RANK, 0, 1, 3, ev[2])) == "kept"  # 2 lost
+    assert feed.ingest(Envelope(RANK, 0, 1, 4, ev[3])) == "kept"
+    feed.install(Snapshot(RANK, 0, 1, 2, {0: [b"a", b"b"]}, {0: None}))
+    assert feed.index.keys_of((RANK, 0)) == {0: {b"a", b"b", b"c", b"d"}}
+    assert not feed.wanted()
+    replica = Replica([0])
+    cursor, ops = feed.snapshot_ops()
+    replica.take(cursor, ops, whole=True)
+    assert replica.index.keys_of((RANK, 0)) == feed.index.keys_of((RANK, 0))
+
+
+def test_match_walks_gpu_then_host_like_the_cache() -> None:
+    """Ranks 0, 1 on node 0 and rank 2 on node 1; keys k0..k5 of a 6-block prompt."""
+    idx = BlockIndex([0, 0, 1])
+    keys = [bytes([i]) * 32 for i in range(6)]
+    stored = (BlockStored(tuple(keys[:3]), None, 4),)
+    idx.apply((RANK, 0), stored)
+    idx.apply((RANK, 1), (BlockStored(tuple(keys[:1]), None, 4),))
+    idx.apply((HOST, 0), (BlockStored(tuple(keys[1:5]), None, 4, "CPU"),))
+    idx.apply((RANK, 2), (BlockStored((keys[1],), keys[0], 4),))  # not from the first
+    m = idx.match(keys, prompt_tokens=6 * 4 + 1)
+    assert m.gpu.tolist() == [3, 1, 0]
+    assert m.total.tolist() == [5, 5, 0]  # host continues each GPU run on node 0
+    m = idx.match(keys, prompt_tokens=6 * 4)  # the last token is always computed
+    assert m.total.tolist() == [5, 5, 0]
+    idx.clear((HOST, 0))
+    assert idx.match(keys, 25).total.tolist() == [3, 1, 0]
+
+
+def test_match_over_many_ranks_uses_the_bit_path() -> None:
+    n = 300
+    idx = BlockIndex([r // 8 for r in range(n)])
+    keys = [i.to_bytes(8, "little") for i in range(20)]
+    for r in range(n):
+        idx.store((RANK, r), 0, keys[: r % 20])
+    idx.windows[0], idx.block_size = None, 4
+    m = idx.match(keys, 20 * 4 + 1)
+    assert m.gpu.tolist() == [r % 20 for r in range(n)]
+
+
+def _policy_with_index(
+    router: Router, used: dict[int, int] | None = None
+) -> tuple[AdmissionPolicy, list[bytes]]:
+    """Four ranks of 128 blocks; rank 0 holds the prompt's first 60 blocks, rank 3 its
+    first 20, on their GPUs."""
+    used = used if used is not None else dict.fromkeys(range(4), 40)
+    view = make_view(Topology.from_mapping([0, 0, 1, 1]), used=used, total=128)
+    policy = AdmissionPolicy(router=router)
+    policy.load_view(view, 0.0)
+    keys = block_keys(np.arange(64 * 4 + 1), 4)
+    replica = Replica([0, 0, 1, 1])
+    replica.index.apply((RANK, 0), (BlockStored(tuple(keys[:60]), None, 4),))
+    replica.index.apply((RANK, 3), (BlockStored(tuple(keys[:20]), None, 4),))
+    policy.blocks = replica
+    return policy, keys
+
+
+def test_precise_router_takes_the_longest_prefix_when_it_has_room() -> None:
+    policy, keys = _policy_with_index(Router.PRECISE_PREFIX)  # equal load everywhere
+    d = policy.decide(AdmissionRequest("a", 30 * 4 + 1, 1, tuple(keys[:30])), 0.0)
+    assert (d.outcome, d.rank, d.prefix_blocks, d.reason) == (Outcome.ADMIT, 0, 30, "fits_prefix")
+    d = policy.decide(AdmissionRequest("b", 10 * 4 + 1, 1, tuple(keys[:10])), 0.0)
+    assert d.rank in (0, 3) and d.prefix_blocks == 10  # both hold all of it
+
+
+def test_precise_router_never_picks_a_rank_without_room() -> None:
+    policy, keys = _policy_with_index(Router.PRECISE_PREFIX, used={0: 100})
+    big = AdmissionRequest("b", 64 * 4 + 1, 1, tuple(keys))  # 66 blocks; rank 0 has 28
+    d = policy.decide(big, 0.0)
+    assert (d.outcome, d.rank, d.prefix_blocks) == (Outcome.ADMIT, 3, 20)
+    d = policy.decide(AdmissionRequest("c", 64 * 4 + 1, 1, tuple(keys)), 0.0)
+    assert d.rank in (1, 2) and d.prefix_blocks == 0  # rank 3 is promised now (62 left)
+    d = policy.decide(AdmissionRequest("d", 64 * 4 + 1, 1, tuple(keys)), 0.0)
+    d = policy.decide(AdmissionRequest("e", 64 * 4 + 1, 1, tuple(keys)), 0.0)
+    assert d.outcome is Outcome.QUEUE  # nowhere left, however much rank 0 holds
+
+
+def test_other_routers_choose_among_ranks_that_fit() -> None:
+    for router in Router:
+        policy, keys = _policy_with_index(router, used={0: 100})
+        ranks = []
+        for i in range(3):
+            d = policy.decide(AdmissionRequest(f"r{i}", 30 * 4, 1, tuple(keys[:30])), 0.0)
+            assert d.outcome is Outcome.ADMIT and d.rank != 0, (router, d)  # 0 has 28 left
+            ranks.append(d.rank)
+        if router is Router.ROUND_ROBIN:
+            assert ranks == [1, 2, 3]
+
+
+def test_a_prompt_just_sent_counts_as_held_until_the_index_shows_it() -> None:
+    """Two requests with one prefix, the second decided before the first's blocks reach
+    the index: it follows the first (SentPrefixes), and only within the TTL."""
+    view = make_view(Topology.from_mapping([0, 0, 1, 1]), total=128)
+    keys = block_keys(np.arange(40 * 4 + 1), 4)
+    for later_s, expect_same in ((0.5, True), (5.0, False)):
+        policy = AdmissionPolicy(router=Router.PRECISE_PREFIX)
+        policy.load_view(view, 0.0)
+        policy.blocks = Replica([0, 0, 1, 1])  # the index knows nothing yet
+        first = policy.decide(AdmissionRequest("a", 40 * 4 + 1, 1, tuple(keys)), 0.0)
+        second = policy.decide(AdmissionRequest("b", 40 * 4 + 1, 1, tuple(keys)), later_s)
+        assert (second.rank == first.rank) is expect_same, (later_s, first, second)
+        assert second.prefix_blocks == (40 if expect_same else 0)
