@@ -79,14 +79,14 @@ class EventPublisher:
         self,
         state_lock: AbstractContextManager[Any],
         drain: Callable[[], list[Event]],
-        take: Callable[[], tuple[Keys, dict[int, Window]]],
+        take: Callable[[], tuple[Keys, dict[int, Window], int]],
     ) -> Snapshot:
         """The source's keys and the seq they stand at, taken together: what changed
         since the last batch goes out as one more batch, and the snapshot stands after it."""
         with self.lock:
             with state_lock:
                 data = self._next(drain())
-                keys, windows = take()
+                keys, windows, block_size = take()
                 seq = self.seq
             self._send(data)
-        return Snapshot(self.kind, self.source, self.incarnation, seq, keys, windows)
+        return Snapshot(self.kind, self.source, self.incarnation, seq, keys, windows, block_size)

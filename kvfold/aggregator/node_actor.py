@@ -140,10 +140,11 @@ class HostKVActor:
         """Every key the host tier holds, per window group, with the event seq it stands at."""
         journal = self.host.pool.journal
 
-        def take() -> tuple[dict[int, list[bytes]], dict[int, Window]]:
+        def take() -> tuple[dict[int, list[bytes]], dict[int, Window], int]:
             if journal is None:
-                return {}, {}
-            return self.host.pool.reusable_keys(), dict(enumerate(journal.windows))
+                return {}, {}, 0
+            keys = self.host.pool.reusable_keys()
+            return keys, dict(enumerate(journal.windows)), journal.block_size
 
         return self.events.snapshot(self.lock, self._host_events, take)
 

@@ -36,7 +36,8 @@ from kvfold.stats import Window
 MAX_KEPT_BATCHES = 256  # per source while out of sync; the snapshot covers what is dropped
 MAX_RETIRED = 8  # incarnations of a source remembered, so their late batches are ignored
 
-# op log entries: ("apply", source, events) | ("reset", source, keys by group, windows)
+# op log entries: ("apply", source, events)
+#                 | ("reset", source, keys by group, windows, block size)
 #                 | ("drop", source)
 Op = tuple[Any, ...]
 
@@ -60,6 +61,7 @@ class Snapshot:
     seq: int
     keys: Mapping[int, Sequence[BlockHash]]
     windows: Mapping[int, Window]
+    block_size: int = 0  # tokens per block (0: not known)
 
 
 class IndexFeed:
@@ -86,7 +88,7 @@ class IndexFeed:
         if kind == "apply":
             self.index.apply(op[1], op[2])
         elif kind == "reset":
-            self.index.reset(op[1], op[2], op[3])
+            self.index.reset(op[1], op[2], op[3], op[4])
         else:
             self.index.clear(op[1])
         self.log.append(op)
@@ -151,7 +153,7 @@ class IndexFeed:
             if old is not None:
                 st.retired.extend(old.retired)
                 st.retired.append(old.incarnation)
-        self._op(("reset", source, dict(snap.keys), dict(snap.windows)))
+        self._op(("reset", source, dict(snap.keys), dict(snap.windows), snap.block_size))
         self.counts["snapshots"] += 1
         st.seq, st.synced = snap.seq, True
         for seq in sorted(st.kept):
@@ -186,7 +188,13 @@ class IndexFeed:
         """Ops that rebuild the whole index from empty, and the cursor they stand at."""
         idx = self.index
         ops: list[Op] = [
-            ("reset", s, {g: list(ks) for g, ks in idx.keys_of(s).items()}, dict(idx.windows))
+            (
+                "reset",
+                s,
+                {g: list(ks) for g, ks in idx.keys_of(s).items()},
+                dict(idx.windows),
+                idx.block_size,
+            )
             for s in idx.sources()
         ]
         return self.cursor, ops
@@ -211,7 +219,7 @@ class Replica:
             if kind == "apply":
                 self.index.apply(op[1], op[2])
             elif kind == "reset":
-                self.index.reset(op[1], op[2], op[3])
+                self.index.reset(op[1], op[2], op[3], op[4])
             else:
                 self.index.clear(op[1])
         self.cursor = cursor

@@ -224,12 +224,17 @@ class BlockIndex:
         self.held.pop(source, None)
 
     def reset(
-        self, source: Source, keys: Mapping[int, Iterable[BlockHash]], windows: Mapping[int, Window]
+        self,
+        source: Source,
+        keys: Mapping[int, Iterable[BlockHash]],
+        windows: Mapping[int, Window],
+        block_size: int = 0,
     ) -> None:
         """Replace what `source` holds with a snapshot of its keys, per group."""
         self.check_source(source)
         self.clear(source)
         self.windows.update(windows)
+        self.block_size = self.block_size or block_size
         for g, ks in keys.items():
             self.store(source, g, ks)
 
@@ -306,10 +311,10 @@ class BlockIndex:
         up to the last token (always computed); a prompt is covered as far as every
         group covers it (a sliding group from its first block on)."""
         n = self.world_size
-        if not self.windows or not keys:
+        B = self.block_size
+        if not self.windows or not keys or not B:
             none = Runs((), (), n)
             return Match(none, none)
-        B = self.block_size
         limit = min(len(keys), (prompt_tokens - 1) // B)
         if len(self.windows) == 1 and None in self.windows.values():  # full attention only
             g = next(iter(self.windows))

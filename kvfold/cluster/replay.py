@@ -109,9 +109,15 @@ class _Replay:
         # have reused when each request arrived (`available`)
         self.blocks = Replica(list(kv.view().rank_to_node))
         self.arrived_keys: dict[str, int] = {}
+        # samples on the trace clock: every report interval's worth of trace time; a
+        # stretch the driver could not sample is a gap (kvfold.workload.recorder)
+        self.rec.sample_every_s = config.sample_interval_s or (
+            kv.settings.report_interval_s * config.time_scale
+        )
+        self.rec.step_interval_s = config.step_interval_s
+        self.next_sample = 0.0
         self.start = time.monotonic()
         self.last_trace = 0.0
-        self.last_sample = float("-inf")
 
     def clock(self) -> tuple[float, float]:
         """(wall seconds since the start, trace seconds) for a new step."""
@@ -292,9 +298,9 @@ class _Replay:
         trace_now: float,
         on_sample: Callable[[ClusterView, ReplayRecorder, float], None] | None,
     ) -> None:
-        if wall - self.last_sample < self.config.sample_interval_s:
+        if trace_now < self.next_sample:
             return
-        self.last_sample = wall
+        self.next_sample = trace_now + self.rec.sample_every_s
         self._publish_decisions()
         try:
             view = self.kv.view()
@@ -317,7 +323,9 @@ class _Replay:
         )
 
     def pace(self, wall: float) -> None:
-        spare = self.config.step_interval_s - (time.monotonic() - self.start - wall)
+        took = time.monotonic() - self.start - wall
+        self.rec.step_wall_s.append(took)  # a step longer than its interval: an overrun
+        spare = self.config.step_interval_s - took
         if spare > 0:
             time.sleep(spare)  # the step's wall-clock budget, not synchronisation
 

@@ -128,16 +128,27 @@ class BlockPool:
         return True
 
     def set_keys(self, blocks: list[int], keys: list[bytes], parent: bytes | None = None) -> None:
-        """`set_key` for pairs of blocks and keys, a run after `parent`; keys already
-        taken are skipped (another block holds them: still reusable here)."""
+        """`set_key` for pairs of blocks and keys, a run after `parent`. A key another
+        block already holds is skipped: that block keeps it (and its block event)."""
         key_to_block = self.key_to_block
         block_keys = self.block_keys
+        journal = self.journal
+        piece: list[bytes] = []
+        before = parent
         for b, key in zip(blocks, keys, strict=False):
             if key not in key_to_block:
                 key_to_block[key] = b
                 block_keys[b] = key
-        if self.journal is not None and blocks and keys:
-            self.journal.stored(self.window, keys[: len(blocks)], parent)
+                if journal is not None:
+                    if not piece:
+                        piece_parent = before
+                    piece.append(key)
+            elif piece:  # the run breaks here: what was set so far is one event
+                journal.stored(self.window, piece, piece_parent)  # type: ignore[union-attr]
+                piece = []
+            before = key
+        if piece:
+            journal.stored(self.window, piece, piece_parent)  # type: ignore[union-attr]
 
     def release(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given.

@@ -413,11 +413,11 @@ class RankWorker:
         """Every key this rank's cache could reuse now, per window group, with the event
         seq it stands at (the cluster block index resynchronises from it)."""
 
-        def take() -> tuple[dict[int, list[bytes]], dict[int, Window]]:
+        def take() -> tuple[dict[int, list[bytes]], dict[int, Window], int]:
             cache = self.cache
             if cache is None:
-                return {}, {}
-            return cache.reusable_keys(), dict(enumerate(cache.windows))
+                return {}, {}, 0
+            return cache.reusable_keys(), dict(enumerate(cache.windows)), cache.block_size
 
         return self.events.snapshot(self.lock, self._drain_events, take)
 

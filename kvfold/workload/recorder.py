@@ -6,6 +6,7 @@ import csv
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,9 @@ class ReplayRecorder:
     achieved_gpu_blocks: int = 0  # ... reused on the GPU
     decisions: Counter[str] = field(default_factory=Counter)
     samples: list[Sample] = field(default_factory=list)
+    sample_every_s: float = 0.0  # trace seconds between samples, when the driver keeps up
+    step_interval_s: float = 0.0  # the driver's wall-clock budget for one step
+    step_wall_s: list[float] = field(default_factory=list)  # what each step took
     wall_s: float = 0.0
     final: dict[str, Any] = field(default_factory=dict)
 
@@ -127,6 +131,9 @@ class ReplayRecorder:
         ]
         span = self.last_completion_trace_s
         ttft = list(self.ttft_s.values())
+        steps = self.step_wall_s
+        over = [t for t in steps if t > self.step_interval_s]
+        gaps = self.gaps()
         return {
             "schedulers": self.schedulers,
             "requests": self.num_requests,
@@ -162,6 +169,13 @@ class ReplayRecorder:
             "last_completion_trace_s": span,
             "work_tokens_per_trace_s": self.admitted_tokens / span if span else 0.0,
             "decisions": dict(self.decisions),
+            "driver_steps": len(steps),
+            "driver_step_p50_s": _pct(steps, 0.5),
+            "driver_step_max_s": max(steps, default=0.0),
+            "driver_overruns": len(over),
+            "sample_every_trace_s": self.sample_every_s,
+            "picture_gaps": len(gaps),
+            "picture_gap_max_trace_s": max((b - a for a, b in gaps), default=0.0),
             "wall_s": self.wall_s,
             **self.final,
         }
@@ -196,8 +210,34 @@ class ReplayRecorder:
                 f"GPU usage mean {100 * s['mean_gpu_usage']:.1f}%, peak node "
                 f"{100 * s['peak_node_gpu_usage']:.1f}%; work {s['work_tokens_per_trace_s']:.0f} "
                 f"tokens per trace s; wall {s['wall_s']:.1f} s",
+                f"driver: {s['driver_steps']} steps, median {1000 * s['driver_step_p50_s']:.0f} ms "
+                f"(budget {1000 * self.step_interval_s:.0f} ms); overran its step "
+                f"{s['driver_overruns']} times, longest {s['driver_step_max_s']:.2f} s; "
+                f"{s['picture_gaps']} gaps in the picture, longest "
+                f"{s['picture_gap_max_trace_s']:.1f} trace s",
             ]
         )
+
+    def plot_rows(self) -> tuple[list[float], list[Sample | None]]:
+        """The samples to draw, in trace time, with None after each one a gap follows:
+        a NaN point there breaks the line, so an unsampled stretch is never drawn."""
+        gap_after = {a for a, _ in self.gaps()}
+        rows: list[Sample | None] = []
+        t: list[float] = []
+        for sample in self.samples:
+            rows.append(sample)
+            t.append(sample.trace_s)
+            if sample.trace_s in gap_after:
+                rows.append(None)
+                t.append(sample.trace_s)
+        return t, rows
+
+    def gaps(self) -> list[tuple[float, float]]:
+        """Stretches of trace time the driver could not sample: consecutive samples more
+        than twice the sample interval apart (drawn as gaps, never as lines)."""
+        limit = 2 * self.sample_every_s
+        t = [s.trace_s for s in self.samples]
+        return [(a, b) for a, b in pairwise(t) if limit and b - a > limit]
 
     def write_csv(self, path: str | Path) -> None:
         with open(path, "w", newline="", encoding="utf-8") as f:
@@ -235,14 +275,18 @@ class ReplayRecorder:
 
         nodes = sorted({n.node for s in self.samples for n in s.nodes})
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-        t = [s.trace_s for s in self.samples]
+        t, rows = self.plot_rows()
+        nan = float("nan")
         for node in nodes:
-            mine = [next((n for n in s.nodes if n.node == node), None) for s in self.samples]
-            gpu = [100 * n.gpu_usage if n else float("nan") for n in mine]  # gaps: not fresh
-            host = [100 * n.host_used / n.host_total if n and n.host_total else 0.0 for n in mine]
+            mine = [
+                next((n for n in row.nodes if n.node == node), None) if row else None
+                for row in rows
+            ]
+            gpu = [100 * n.gpu_usage if n else nan for n in mine]  # gaps: not fresh, unsampled
+            host = [100 * n.host_used / n.host_total if n and n.host_total else nan for n in mine]
             ax1.plot(t, gpu, label=f"node {node}")
             ax2.plot(t, host, label=f"node {node}")
-        ax1.set_ylabel("GPU KV used %\n(gaps: node not fresh)")
+        ax1.set_ylabel("GPU KV used %\n(gaps: not fresh, or not sampled)")
         ax2.set_ylabel("host KV used %")
         ax2.set_xlabel("trace time (s)")
         ax1.set_ylim(0, 105)
@@ -252,7 +296,8 @@ class ReplayRecorder:
         ax1.set_title(
             f"{title}\nadmitted {s['admitted']}/{s['requests']}, over-commits {s['overcommits']}, "
             f"hit rate {100 * s.get('gpu_hit_rate', 0):.1f}% (+host "
-            f"{100 * s.get('hit_rate_with_host', 0):.1f}%)",
+            f"{100 * s.get('hit_rate_with_host', 0):.1f}%); driver overran "
+            f"{s['driver_overruns']} of {s['driver_steps']} steps, {s['picture_gaps']} gaps",
             fontsize=10,
         )
         fig.tight_layout()

@@ -44,7 +44,8 @@ class ReplayConfig:
     time_scale: float = 1.0
     step_interval_s: float = 0.05
     decode_tokens_per_s: float = 40.0  # per running sequence, in trace time
-    sample_interval_s: float = 0.25
+    # trace seconds between samples of the view (None: one report interval of wall time)
+    sample_interval_s: float | None = None
     policy: Policy = Policy.GUARANTEED_NO_EVICT
     watermark_blocks: int = 0
     max_wall_s: float | None = None
@@ -54,8 +55,10 @@ class ReplayConfig:
     router: str = Router.PRECISE_PREFIX.value  # kvfold.admission.routing
 
     def __post_init__(self) -> None:
-        for name in ("time_scale", "step_interval_s", "decode_tokens_per_s", "sample_interval_s"):
+        for name in ("time_scale", "step_interval_s", "decode_tokens_per_s"):
             check_positive(name, getattr(self, name))
+        if self.sample_interval_s is not None:
+            check_positive("sample_interval_s", self.sample_interval_s)
         check_int("schedulers", self.schedulers, 1)
         as_router(self.router)
 

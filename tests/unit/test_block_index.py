@@ -235,3 +235,23 @@ def test_a_prompt_just_sent_counts_as_held_until_the_index_shows_it() -> None:
         second = policy.decide(AdmissionRequest("b", 40 * 4 + 1, 1, tuple(keys)), later_s)
         assert (second.rank == first.rank) is expect_same, (later_s, first, second)
         assert second.prefix_blocks == (40 if expect_same else 0)
+
+
+def test_a_key_another_block_holds_is_not_reported_again() -> None:
+    """Block 0 holds key k; keying block 1 with k again is skipped. When block 0 is
+    evicted, the pool no longer holds k, and the batch must say so."""
+    from kvfold.worker.block_pool import BlockPool
+
+    pool = BlockPool(2)
+    pool.journal, pool.window = EventJournal([None], 4), None
+    b0 = pool.take(1)
+    assert b0 is not None
+    pool.set_keys(b0, [b"k"])
+    pool.release(b0)
+    pool.journal.drain()  # the index now holds k
+    b1 = pool.take(1)
+    assert b1 is not None and b1 != b0
+    pool.set_keys(b1, [b"k", b"x"])  # k is taken by block 0: skipped
+    assert pool.take(1) == b0  # block 0, cached, is evicted: k is gone from the pool
+    assert b"k" not in pool.key_to_block
+    assert BlockRemoved((b"k",), GPU, 0) in pool.journal.drain()

@@ -77,7 +77,7 @@ class Source_:
             self.seq += 1
             env = Envelope(self.kind, self.i, self.incarnation, self.seq, EventBatch(0.0, events))
             self.channel.append(encode_envelope(env))
-        return Snapshot(self.kind, self.i, self.incarnation, self.seq, keys, windows)
+        return Snapshot(self.kind, self.i, self.incarnation, self.seq, keys, windows, 4)
 
 
 class BlockIndexModel(RuleBasedStateMachine):
@@ -237,6 +237,8 @@ class BlockIndexModel(RuleBasedStateMachine):
         self.follow()
         for source in {*self.sources, *((RANK, r) for r in self.dead)}:
             assert self.replica.index.keys_of(source) == idx.keys_of(source), source
+        if idx.sources():  # a replica rebuilt from snapshots can match prompts too
+            assert self.replica.index.block_size == idx.block_size == 4
         self._check_masks(idx)
 
     def _check_masks(self, idx: BlockIndex) -> None:

@@ -139,3 +139,24 @@ def test_recorder_writes_csv_and_png(tmp_path: Path) -> None:
     assert len(lines) == 1 + 3 * 2  # header + 3 samples x 2 nodes
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
     assert "over-commits 0" in rec.format_summary()
+
+
+def test_an_unsampled_stretch_is_a_gap_not_a_line(tmp_path: Path) -> None:
+    """Samples due every 1 trace s; the driver sampled at 0, 1, 2, then not until 10:
+    one gap, drawn as a break (a None row), counted in the summary with the overruns."""
+    topo = Topology(2, 2)
+    view = fold_cluster(topo, {0: fold_node(topo, 0, {0: make_report(0, used=3)}, None)})
+    rec = ReplayRecorder(num_requests=1, sample_every_s=1.0, step_interval_s=0.05)
+    for t in (0.0, 1.0, 2.0, 10.0, 11.0):
+        rec.samples.append(sample_view(view, t / 20, t, 0, 0))
+    rec.step_wall_s = [0.04, 0.05, 0.4, 0.04]  # one step took 8x its budget
+    rec.finish(view, 1.0)
+    assert rec.gaps() == [(2.0, 10.0)]
+    t, rows = rec.plot_rows()
+    assert [r.trace_s if r else None for r in rows] == [0.0, 1.0, 2.0, None, 10.0, 11.0]
+    assert len(t) == len(rows)
+    s = rec.summary()
+    assert (s["driver_overruns"], s["driver_step_max_s"], s["picture_gaps"]) == (1, 0.4, 1)
+    assert s["picture_gap_max_trace_s"] == 8.0
+    assert "overran its step 1 times, longest 0.40 s; 1 gaps" in rec.format_summary()
+    rec.write_png(tmp_path / "gap.png")
