@@ -204,6 +204,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         schedulers=args.schedulers,
         leases=args.leases,
         router=args.router,
+        overlap_weight=args.overlap_weight,
     )
     stem = f"replay-{Path(args.trace).stem}"
     if args.schedulers > 1:
@@ -240,7 +241,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvfold compare: {e}", file=sys.stderr)
         return 2
-    cfg = ReplayConfig(time_scale=args.time_scale, decode_tokens_per_s=args.decode_rate)
+    cfg = ReplayConfig(
+        time_scale=args.time_scale,
+        decode_tokens_per_s=args.decode_rate,
+        overlap_weight=args.overlap_weight,
+    )
     gpu_blocks = args.world_size * args.num_blocks
     refs = reference_hit_rates(workload, args.tokens_per_block, gpu_blocks)
     print(
@@ -269,7 +274,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     finally:
         cluster.shutdown()
     print("\n" + format_table(rows, refs))
-    paths = write_table(rows, refs, Path(args.out), f"compare-{Path(args.trace).stem}")
+    title = (
+        f"{Path(args.trace).name}, {len(workload)} requests at {args.time_scale:g}x; "
+        f"world {args.world_size}, {args.num_blocks} blocks of {args.tokens_per_block} tokens"
+    )
+    paths = write_table(rows, refs, Path(args.out), f"compare-{Path(args.trace).stem}", title)
     print(f"\nwrote {', '.join(str(p) for p in paths)}")
     return 0 if all(r["overcommits"] == 0 for r in rows) else 1
 
@@ -421,10 +430,22 @@ def _replay_parser(sub: Any) -> None:
         choices=ROUTERS,
         help="how an admitted request's rank is chosen (docs/routing.md)",
     )
+    _overlap_arg(r)
     r.set_defaults(fn=cmd_replay)
 
 
 ROUTERS = ["round_robin", "least_loaded", "approx_prefix", "precise_prefix"]
+
+
+def _overlap_arg(p: argparse.ArgumentParser) -> None:
+    from kvfold.admission.routing import RoutingWeights  # Ray-free
+
+    p.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=RoutingWeights().overlap_weight,
+        help="precise_prefix: a prompt block to compute weighs this many resident blocks",
+    )
 
 
 def _compare_parser(sub: Any) -> None:
@@ -436,6 +457,7 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--limit", type=int, default=None, help="first N requests only")
     c.add_argument("--decode-rate", type=float, default=40.0, help="tokens/s per sequence")
     c.add_argument("--routers", default=",".join(ROUTERS), help="comma list")
+    _overlap_arg(c)
     c.add_argument("--out", default="kvfold-out")
     c.set_defaults(fn=cmd_compare, address=None)
 

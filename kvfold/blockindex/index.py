@@ -59,20 +59,39 @@ class Runs:
 
     def array(self) -> IntArray:
         """The run of every rank, as an array: a rank in the first c masks holds the
-        blocks those masks last (one unpack, one sum, one lookup)."""
+        blocks those masks last. Masks seen lately are unpacked once (popular prefixes
+        give the same masks decision after decision)."""
         n = self.world_size
         if not self.masks:
             return np.zeros(n, dtype=np.int64)
-        nb = (n + 7) // 8
-        raw = np.frombuffer(b"".join(m.to_bytes(nb, "little") for m in self.masks), np.uint8)
-        bits = np.unpackbits(raw.reshape(len(self.masks), nb), axis=1, count=n, bitorder="little")
-        ends: IntArray = np.cumsum((0, *self.spans), dtype=np.int64)
-        out: IntArray = ends[bits.sum(axis=0, dtype=np.intp)]
+        counts = _unpacked(self.masks[0], n).astype(np.intp)
+        for m in self.masks[1:]:
+            counts += _unpacked(m, n)
+        ends = np.array(list(accumulate(self.spans, initial=0)), dtype=np.int64)
+        out: IntArray = ends[counts]
         return out
 
     @property
     def longest(self) -> int:
         return sum(self.spans)
+
+
+_UNPACKED: dict[tuple[int, int], npt.NDArray[np.uint8]] = {}
+_MAX_UNPACKED = 4096
+
+
+def _unpacked(mask: int, n: int) -> npt.NDArray[np.uint8]:
+    """A rank mask as n 0/1 bytes (read-only; kept for the masks seen lately)."""
+    key = (mask, n)
+    bits = _UNPACKED.get(key)
+    if bits is None:
+        raw = np.frombuffer(mask.to_bytes((n + 7) // 8, "little"), np.uint8)
+        bits = np.unpackbits(raw, count=n, bitorder="little")
+        bits.flags.writeable = False
+        if len(_UNPACKED) >= _MAX_UNPACKED:
+            _UNPACKED.clear()
+        _UNPACKED[key] = bits
+    return bits
 
 
 def _runs(acc: list[int], n: int) -> Runs:

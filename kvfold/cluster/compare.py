@@ -64,7 +64,7 @@ def compare(
 
 
 def write_table(
-    rows: list[dict[str, Any]], refs: dict[str, float], out: Path, stem: str
+    rows: list[dict[str, Any]], refs: dict[str, float], out: Path, stem: str, title: str = ""
 ) -> tuple[Path, Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     csv_path, json_path, png_path = (out / f"{stem}.{ext}" for ext in ("csv", "json", "png"))
@@ -74,7 +74,7 @@ def write_table(
         for row in rows:
             w.writerow([row.get(c, "") for c in COLUMNS] + [refs["infinite"], refs["lru"]])
     json_path.write_text(json.dumps({"references": refs, "runs": rows}, indent=2, default=str))
-    _plot(rows, refs, png_path, stem)
+    _plot(rows, refs, png_path, title or stem)
     return csv_path, json_path, png_path
 
 
@@ -143,7 +143,7 @@ def _plot(rows: list[dict[str, Any]], refs: dict[str, float], path: Path, title:
     ax2.set_yscale("symlog", linthresh=0.1)
     ax2.set_xticks(list(x), names, rotation=15)
     ax2.legend(fontsize=8)
-    fig.suptitle(f"kvfold compare: {title}", fontsize=10)
+    fig.suptitle(f"kvfold compare: {title}", fontsize=10)  # what was replayed, on what
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

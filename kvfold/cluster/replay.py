@@ -84,6 +84,7 @@ class _Replay:
                 num_controllers=n if config.leases else 1,
                 name=f"replay-{i}",
                 router=config.router,
+                overlap_weight=config.overlap_weight,
             )
             for i in range(n)
         ]

@@ -25,6 +25,7 @@ from kvfold.admission import (
     Outcome,
     Policy,
     Router,
+    RoutingWeights,
     new_controller_id,
 )
 from kvfold.admission.controller import IndexSource
@@ -53,6 +54,7 @@ class ReplayConfig:
     schedulers: int = 1  # schedulers, each in its own process, sharing the ranks
     leases: bool = True  # each scheduler promises only its share of a rank's room
     router: str = Router.PRECISE_PREFIX.value  # kvfold.admission.routing
+    overlap_weight: float = RoutingWeights().overlap_weight  # precise_prefix's cost
 
     def __post_init__(self) -> None:
         for name in ("time_scale", "step_interval_s", "decode_tokens_per_s"):
@@ -73,6 +75,7 @@ class SchedulerSettings:
     num_controllers: int = 1
     name: str = "replay"
     router: str = Router.PRECISE_PREFIX.value
+    overlap_weight: float = RoutingWeights().overlap_weight
 
 
 @dataclass(slots=True)
@@ -107,6 +110,7 @@ class ReplayScheduler:
             controller_id=new_controller_id(settings.name),
             router=router,
             index_source=index_source if router is Router.PRECISE_PREFIX else None,
+            weights=RoutingWeights(overlap_weight=settings.overlap_weight),
         )
         self.needs_keys = settings.prefix_affinity and router in (
             Router.APPROX_PREFIX,
