@@ -35,7 +35,7 @@ class EventPublisher:
         self.kind, self.source, self.incarnation = kind, source, incarnation
         self.namespace = namespace
         self.seq = 0
-        self.failed = 0  # batches that certainly did not arrive
+        self.failed = 0  # batches that did not arrive, or whose answer never came
         self.lock = threading.Lock()  # drain and send together: batches leave in order
         self._inflight: InFlight[None] = InFlight(MAX_INFLIGHT_BATCHES)
         self._agg: Any = None
@@ -63,13 +63,13 @@ class EventPublisher:
 
     def publish(self, drain: Callable[[], list[Event]], wait_s: float) -> None:
         """Send what `drain()` returns as the next batch (nothing when it is empty)."""
-        with self.lock:
+        with self.lock:  # InFlight is not thread-safe: every use of it is under the lock
             events = drain()
             self._idle = 0 if events else self._idle + 1
             self._send(self._next(events, heartbeat=self._idle % HEARTBEAT_EVERY == 1))
-        if wait_s:
-            self._inflight.wait(wait_s)
-        self._inflight.settle(lambda _a, _t: None, self._lost)
+            if wait_s:
+                self._inflight.wait(wait_s)
+            self._inflight.settle(lambda _a, _t: None, self._lost)
 
     def _lost(self, _error: RayError, _tag: None) -> None:
         self.failed += 1

@@ -34,10 +34,10 @@ from kvfold.admission.policy import (
     Policy,
 )
 from kvfold.admission.routing import Router, RoutingWeights, as_router
-from kvfold.blockindex.feed import Replica
+from kvfold.blockindex.feed import NO_CURSOR, Cursor, Replica
 from kvfold.view import ClusterView
 
-IndexSource = Callable[[int], tuple[int, list[Any], bool]]
+IndexSource = Callable[[Cursor], tuple[Cursor, list[Any], bool]]
 
 
 class AdmissionController:
@@ -124,16 +124,19 @@ class AdmissionController:
         if replica is None or replica.rank_to_node != list(view.rank_to_node):
             replica = Replica(list(view.rank_to_node))
         assert self._index_source is not None
+        asked = replica.cursor
         try:
-            cursor, ops, whole = self._index_source(replica.cursor)
+            cursor, ops, whole = self._index_source(asked)
         except Exception as e:  # the replica stays as it was; routing is only a preference
             self.index_error = f"{type(e).__name__}: {e}"[:300]
             return
         with self.lock:
+            if replica.cursor != asked:  # another refresh got there first: newer
+                return
             try:
-                replica.take(cursor, ops, whole or replica.cursor < 0)
+                replica.take(cursor, ops, whole)
             except (ValueError, TypeError, KeyError, IndexError) as e:
-                replica.cursor = -1  # half applied: rebuilt whole next time
+                replica.cursor = NO_CURSOR  # half applied: rebuilt whole next time
                 self.index_error = f"{type(e).__name__}: {e}"[:300]
                 return
             self.index_error = None

@@ -379,9 +379,15 @@ class AdmissionPolicy:
         if overflow:
             return int(self._rng.choice(np.flatnonzero(fits))), 0
         router = self.router
-        if router is Router.PRECISE_PREFIX and self.blocks is not None and request.prefix_keys:
+        blocks = self.blocks
+        if (
+            router is Router.PRECISE_PREFIX
+            and blocks is not None
+            and request.prefix_keys
+            and blocks.index.world_size == self.index.world_size  # type: ignore[union-attr]
+        ):
             assert self.index is not None
-            match = self.blocks.index.match(request.prefix_keys, request.prompt_tokens)
+            match = blocks.index.match(request.prefix_keys, request.prompt_tokens)
             B = self.index.tokens_per_block
             match = self.sent.overlay(
                 match, request.prefix_keys, (request.prompt_tokens - 1) // B, now_s

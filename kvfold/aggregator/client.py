@@ -14,6 +14,7 @@ from typing import Any
 import ray
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError
 
+from kvfold.blockindex.feed import Cursor
 from kvfold.errors import AggregatorUnavailable
 from kvfold.naming import AGGREGATOR_NAME, DEFAULT_NAMESPACE
 from kvfold.view import ClusterView, RankSummary, SourceState
@@ -109,11 +110,11 @@ class KVFoldClient:
         """Publish a scheduler's cumulative admission decision counts ('outcome:reason')."""
         self._call("report_admission", scheduler, counts)
 
-    def block_index_since(self, cursor: int) -> tuple[int, list[Any], bool]:
+    def block_index_since(self, cursor: Cursor) -> tuple[Cursor, list[Any], bool]:
         """The cluster block index's ops after `cursor` (kvfold.blockindex.feed), for a
         replica: (cursor now, ops, whole: the ops rebuild it from empty)."""
-        out: tuple[int, list[Any], bool] = pickle.loads(self._call("block_index_since", cursor))
-        return out
+        now, ops, whole = pickle.loads(self._call("block_index_since", cursor))
+        return tuple(now), ops, whole
 
     def block_index_counts(self) -> dict[str, Any]:
         counts: dict[str, Any] = self._call("block_index_counts")

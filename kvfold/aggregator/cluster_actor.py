@@ -209,12 +209,12 @@ class ClusterAggregator:
             self.events_error = str(e)[:300]
             return "refused"
 
-    def block_index_since(self, cursor: int) -> bytes:
+    def block_index_since(self, cursor: tuple[int, int]) -> bytes:
         """For a replica at `cursor`: (cursor now, ops after it, False), or (cursor now,
         ops that rebuild the index from empty, True) when the log no longer reaches back.
         Pickled: one trusted kvfold process to another, like the view."""
         with self.blocks_lock:
-            now, ops = self.blocks.since(cursor)
+            now, ops = self.blocks.since(tuple(cursor))  # type: ignore[arg-type]
             whole = ops is None
             if ops is None:
                 now, ops = self.blocks.snapshot_ops()
@@ -230,7 +230,7 @@ class ClusterAggregator:
                 "entries": idx.num_entries,
                 "sources": len(idx.sources()),
                 "out_of_sync": [list(s) for s in self.blocks.wanted()],
-                "cursor": self.blocks.cursor,
+                "ops": self.blocks.num_ops,
             }
 
     def block_keys(self, kind: str, source: int) -> dict[int, list[BlockHash]]:
@@ -260,12 +260,15 @@ class ClusterAggregator:
                 asked.append(actor.block_snapshot.remote())
         if not asked:
             return
-        ready, _ = ray.wait(asked, num_returns=len(asked), timeout=SNAPSHOT_TIMEOUT_S)
-        for ref in ready:
+        deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
+        while asked:  # each as it comes: the sooner installed, the fewer batches kept
+            ready, asked = ray.wait(asked, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return  # asked again next time
             try:
-                snap = ray.get(ref)
+                snap = ray.get(ready[0])
             except ray.exceptions.RayError:
-                continue  # asked again next time
+                continue
             with self.blocks_lock:
                 self.blocks.install(snap)
 

@@ -19,11 +19,14 @@ nothing follows it.
 
 Every change to the index is also appended to a bounded op log; a replica (a
 controller's copy, kvfold.blockindex.feed.Replica) asks for the ops after its cursor,
-or for a whole snapshot when it fell behind the log. Pure; no Ray.
+or gets a whole snapshot when it fell behind the log. A cursor is (epoch, ops so far):
+a feed started again (an aggregator restart) has a new epoch, so a replica of the old
+one is rebuilt rather than fed another log's ops. Pure; no Ray.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +43,8 @@ MAX_RETIRED = 8  # incarnations of a source remembered, so their late batches ar
 #                 | ("reset", source, keys by group, windows, block size)
 #                 | ("drop", source)
 Op = tuple[Any, ...]
+Cursor = tuple[int, int]  # (the feed's epoch, ops appended so far)
+NO_CURSOR: Cursor = (0, -1)  # a replica that has taken nothing yet
 
 
 @dataclass(slots=True)
@@ -69,7 +74,8 @@ class IndexFeed:
         self.index = index
         self.streams: dict[Source, _Stream] = {}
         self.log: deque[Op] = deque(maxlen=log_size)
-        self.cursor = 0  # ops appended so far; the log holds the last len(log) of them
+        self.epoch = secrets.randbits(62) | 1
+        self.num_ops = 0  # ops appended so far; the log holds the last len(log) of them
         self.counts = {
             "applied": 0,
             "duplicate": 0,
@@ -79,7 +85,12 @@ class IndexFeed:
             "stale_incarnation": 0,
             "dropped": 0,
             "heartbeat": 0,
+            "stale_snapshot": 0,
         }
+
+    @property
+    def cursor(self) -> Cursor:
+        return (self.epoch, self.num_ops)
 
     # ------------------------------------------------------------------ intake
 
@@ -92,7 +103,7 @@ class IndexFeed:
         else:
             self.index.clear(op[1])
         self.log.append(op)
-        self.cursor += 1
+        self.num_ops += 1
 
     def ingest(self, env: Envelope) -> str:
         """Take one batch; return what became of it (a key of `counts`)."""
@@ -142,20 +153,19 @@ class IndexFeed:
         """Sources out of sync: each needs a snapshot (`install`)."""
         return [s for s, st in self.streams.items() if not st.synced]
 
-    def install(self, snap: Snapshot) -> None:
-        """Reset a source to its snapshot, then apply the kept batches after it."""
+    def install(self, snap: Snapshot) -> bool:
+        """Reset an out-of-sync source to its snapshot, then apply the kept batches after
+        it. A snapshot of another incarnation than the stream's, or for a stream in sync
+        by now, is ignored (it may be older than what was applied since): False."""
         source: Source = (snap.kind, snap.source)
         self.index.check_source(source)
         st = self.streams.get(source)
-        if st is None or st.incarnation != snap.incarnation:
-            old = st
-            st = self.streams[source] = _Stream(snap.incarnation)
-            if old is not None:
-                st.retired.extend(old.retired)
-                st.retired.append(old.incarnation)
+        if st is None or st.synced or st.incarnation != snap.incarnation:
+            self.counts["stale_snapshot"] += 1
+            return False
         self._op(("reset", source, dict(snap.keys), dict(snap.windows), snap.block_size))
         self.counts["snapshots"] += 1
-        st.seq, st.synced = snap.seq, True
+        st.seq, st.synced = max(st.seq, snap.seq), True
         for seq in sorted(st.kept):
             if seq <= st.seq:
                 continue
@@ -164,6 +174,7 @@ class IndexFeed:
                 break
             self._apply(source, st, seq, st.kept[seq])
         st.kept = {s: e for s, e in st.kept.items() if s > st.seq} if not st.synced else {}
+        return True
 
     def drop(self, source: Source) -> None:
         """A dead or removed source: its entries leave the index; it starts over if it
@@ -175,28 +186,25 @@ class IndexFeed:
 
     # ------------------------------------------------------------------ replicas
 
-    def since(self, cursor: int) -> tuple[int, list[Op] | None]:
-        """The ops after `cursor` (None: the log no longer reaches back: take `snapshot`)."""
-        behind = self.cursor - cursor
-        if behind < 0 or behind > len(self.log):
+    def since(self, cursor: Cursor) -> tuple[Cursor, list[Op] | None]:
+        """The ops after `cursor` (None: another epoch, or the log no longer reaches
+        back: take `snapshot_ops`)."""
+        epoch, n = cursor
+        behind = self.num_ops - n
+        if epoch != self.epoch or behind < 0 or behind > len(self.log):
             return self.cursor, None
         if behind == 0:
             return self.cursor, []
         return self.cursor, list(self.log)[len(self.log) - behind :]
 
-    def snapshot_ops(self) -> tuple[int, list[Op]]:
+    def snapshot_ops(self) -> tuple[Cursor, list[Op]]:
         """Ops that rebuild the whole index from empty, and the cursor they stand at."""
         idx = self.index
         ops: list[Op] = [
-            (
-                "reset",
-                s,
-                {g: list(ks) for g, ks in idx.keys_of(s).items()},
-                dict(idx.windows),
-                idx.block_size,
-            )
+            ("reset", s, {g: list(ks) for g, ks in idx.keys_of(s).items()}, dict(idx.windows),
+             idx.block_size)
             for s in idx.sources()
-        ]
+        ]  # fmt: skip
         return self.cursor, ops
 
 
@@ -206,10 +214,10 @@ class Replica:
     def __init__(self, rank_to_node: list[int]) -> None:
         self.rank_to_node = list(rank_to_node)
         self.index = BlockIndex(self.rank_to_node)
-        self.cursor = -1  # nothing taken yet
-        self.resets = 0  # whole snapshots taken (first sync, or fell behind)
+        self.cursor: Cursor = NO_CURSOR
+        self.resets = 0  # whole snapshots taken (first sync, fell behind, a new feed)
 
-    def take(self, cursor: int, ops: Iterable[Op] | None, whole: bool = False) -> None:
+    def take(self, cursor: Cursor, ops: Iterable[Op] | None, whole: bool = False) -> None:
         """Apply ops that follow this replica's cursor; `whole`: they rebuild it from empty."""
         if whole:
             self.index = BlockIndex(self.rank_to_node)

@@ -178,8 +178,8 @@ class BlockIndex:
 
     def check_source(self, source: Source) -> None:
         kind, i = source
-        limit = self.world_size if kind == RANK else max(self.rank_to_node, default=-1) + 1
-        if kind not in (RANK, HOST) or not 0 <= i < limit:
+        known = 0 <= i < self.world_size if kind == RANK else kind == HOST and i in self.node_mask
+        if not known:
             raise ValueError(f"block index: unknown source {source!r}")
 
     def store(self, source: Source, g: int, keys: Iterable[BlockHash]) -> None:
@@ -313,6 +313,8 @@ class BlockIndex:
         # tier holds key i, so only [first host key, last host key] needs the walk
         gacc_full = gacc + [0] * (len(ks) - len(gacc))
         lo, hi = held[0], held[-1]
+        if lo > len(gacc):  # every GPU run ended before the first key a host tier holds
+            return gpu_runs, gpu_runs
         alive_acc = gacc_full[:lo]
         alive = alive_acc[-1] if lo else self.all_ranks
         for i in range(lo, hi + 1):

@@ -53,10 +53,10 @@ class EventJournal:
         g = self._groups[self.group_of[window]]
         net = g.net
         for k in keys:
-            if net.get(k) == _REMOVED:
-                del net[k]
+            if net.get(k) == _REMOVED and not self._cleared:
+                del net[k]  # removed then stored again: the index still holds it
             else:
-                net[k] = _STORED
+                net[k] = _STORED  # (after a clear the index holds nothing: say it)
         g.runs.append((parent, list(keys)))
 
     def removed(self, window: Window, key: BlockHash) -> None:

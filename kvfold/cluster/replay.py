@@ -147,7 +147,7 @@ class _Replay:
         first, that one rank (GPU, then its node's host tier) holds, as the index knows."""
         with contextlib.suppress(KVFoldError):  # the aggregator is away: as it was
             cursor, ops, whole = self.kv.client.block_index_since(self.blocks.cursor)
-            self.blocks.take(cursor, ops, whole or self.blocks.cursor < 0)
+            self.blocks.take(cursor, ops, whole)
         B = self.tokens_per_block
         for req in arrived:
             keys = block_keys(req.prompt, B)

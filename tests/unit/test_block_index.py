@@ -255,3 +255,52 @@ def test_a_key_another_block_holds_is_not_reported_again() -> None:
     assert pool.take(1) == b0  # block 0, cached, is evicted: k is gone from the pool
     assert b"k" not in pool.key_to_block
     assert BlockRemoved((b"k",), GPU, 0) in pool.journal.drain()
+
+
+def test_a_snapshot_older_than_what_was_applied_is_ignored() -> None:
+    """Incarnation 1 answers a snapshot request, then restarts as 2, whose first batch is
+    applied before the old snapshot arrives: the old snapshot changes nothing."""
+    feed = IndexFeed(BlockIndex([0]))
+    feed.ingest(Envelope(RANK, 0, 1, 3, EventBatch(0.0, (BlockStored((b"old",), None, 4),))))
+    assert feed.wanted() == [(RANK, 0)]
+    feed.ingest(Envelope(RANK, 0, 2, 1, EventBatch(0.0, (BlockStored((b"new",), None, 4),))))
+    assert not feed.install(Snapshot(RANK, 0, 1, 3, {0: [b"old"]}, {0: None}, 4))
+    assert feed.index.keys_of((RANK, 0)) == {0: {b"new"}} and not feed.wanted()
+    assert feed.counts["stale_snapshot"] == 1
+
+
+def test_a_replica_of_a_feed_that_started_again_is_rebuilt() -> None:
+    """An aggregator restart starts a new feed: its cursor means another log."""
+    old, new = IndexFeed(BlockIndex([0])), IndexFeed(BlockIndex([0]))
+    stored = EventBatch(0.0, (BlockStored((b"a",), None, 4),))
+    old.ingest(Envelope(RANK, 0, 1, 1, stored))
+    replica = Replica([0])
+    replica.take(*old.snapshot_ops(), whole=True)
+    for seq in (1, 2, 3):  # the new feed has more ops than the old one had
+        new.ingest(
+            Envelope(RANK, 0, 7, seq, EventBatch(0.0, (BlockStored((bytes([seq]),), None, 4),)))
+        )
+    assert new.since(replica.cursor)[1] is None  # not ops 2.. of another log
+
+
+def test_a_host_key_after_every_gpu_run_adds_nothing() -> None:
+    idx = BlockIndex([0, 0])
+    keys = [bytes([i]) * 8 for i in range(5)]
+    idx.apply((RANK, 0), (BlockStored((keys[0],), None, 4),))
+    idx.apply((HOST, 0), (BlockStored((keys[3],), None, 4, "CPU"),))
+    m = idx.match(keys, 5 * 4 + 1)
+    assert m.total.tolist() == [1, 0] and m.longest == 1
+
+
+def test_after_a_clear_a_key_removed_and_stored_again_is_stored() -> None:
+    j = EventJournal([None], 4)
+    j.cleared()
+    j.removed(None, b"k")
+    j.stored(None, [b"k"], None)
+    assert j.drain() == [AllBlocksCleared(), BlockStored((b"k",), None, 4, GPU, 0, None)]
+
+
+def test_a_host_source_on_a_node_without_ranks_is_refused() -> None:
+    idx = BlockIndex([0, 0, 2])  # node 1 has no rank
+    with pytest.raises(ValueError, match="unknown source"):
+        idx.check_source((HOST, 1))
