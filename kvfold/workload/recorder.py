@@ -284,8 +284,9 @@ class ReplayRecorder:
             ]
             gpu = [100 * n.gpu_usage if n else nan for n in mine]  # gaps: not fresh, unsampled
             host = [100 * n.host_used / n.host_total if n and n.host_total else nan for n in mine]
-            ax1.plot(t, gpu, label=f"node {node}")
-            ax2.plot(t, host, label=f"node {node}")
+            # dots: the samples themselves (one alone between two gaps has no line)
+            ax1.plot(t, gpu, marker=".", markersize=3, label=f"node {node}")
+            ax2.plot(t, host, marker=".", markersize=3, label=f"node {node}")
         ax1.set_ylabel("GPU KV used %\n(gaps: not fresh, or not sampled)")
         ax2.set_ylabel("host KV used %")
         ax2.set_xlabel("trace time (s)")
