@@ -226,6 +226,7 @@ class AdmissionPolicy:
         self.reserved: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._room: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._capacity: IntArray = np.zeros((0, 0), dtype=np.int64)
+        self._committed0: IntArray = np.zeros(0, dtype=np.int64)  # first window, per rank
         self._key_to_rank: OrderedDict[bytes, int] = OrderedDict()
         self._affinity_keys = affinity_keys
         self._rng = np.random.default_rng(list(self.controller_id.encode()))
@@ -255,6 +256,7 @@ class AdmissionPolicy:
         self.index = idx
         # fresh ranks' capacity less the watermark; -1 for ranks that are not candidates
         self._capacity = np.where(idx.fresh, idx.total - self.watermark_blocks, -1)
+        self._committed0 = idx.total[0] - idx.room[0] if idx.windows else idx.total.sum(0)
         self._recount(idx)
 
     def _recount(self, idx: CapacityIndex) -> None:
@@ -392,10 +394,10 @@ class AdmissionPolicy:
             match = self.sent.overlay(
                 match, request.prefix_keys, (request.prompt_tokens - 1) // B, now_s
             )
-            load = self.index.total[0] - self.index.room[0] + self.reserved[0]
+            load = self._committed0 + self.reserved[0]
             prompt_blocks = -(-request.prompt_tokens // B)
             cost = precise_cost(match, prompt_blocks, load, self.weights)
-            rank = lowest(cost, fits, room.min(axis=0))
+            rank = lowest(cost, fits, room)
             return rank, int(match.total[rank])
         if router is Router.APPROX_PREFIX and request.prefix_keys:
             best, best_len = -1, 0

@@ -96,12 +96,14 @@ def precise_cost(
 
 
 def lowest(cost: npt.NDArray[np.float64], fits: BoolArray, room: IntArray) -> int:
-    """The rank that fits with the lowest cost; ties to the most room."""
+    """The rank that fits with the lowest cost; ties to the most room in the tightest
+    window (`room`: per window and rank, looked at only when there is a tie)."""
     c = np.where(fits, cost, np.inf)
-    best = np.flatnonzero(c == c.min())
-    if len(best) == 1:
-        return int(best[0])
-    return int(best[np.argmax(room[best])])
+    best = int(c.argmin())
+    ties = np.flatnonzero(c == c[best])
+    if len(ties) == 1:
+        return best
+    return int(ties[np.argmax(room[:, ties].min(axis=0))])
 
 
 class SentPrefixes:
