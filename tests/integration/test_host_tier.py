@@ -49,6 +49,8 @@ def test_offload_then_onboard_on_another_rank_of_the_same_node(kv) -> None:  # t
     assert r0.add_sequence("push", list(range(90_000, 90_000 + 40 * B)))  # evicts all 32
     r0.free_sequence("push")
     wait_until(lambda: host_stats(kv, 0).num_blocks_used == 32, timeout_s=60)
+    # the host stored them; its answers reach the rank a moment later: wait for them
+    wait_until(lambda: r0.call("settle_offloads", 5.0) == 0, timeout_s=60)
     r0.report_now()
     assert r0.cumulative().total.offloaded_blocks == 32  # confirmed by the host
     # rank 1 on the same node: 31 blocks onboarded, only the last computed
