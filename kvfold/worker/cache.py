@@ -320,7 +320,10 @@ class PagedKVCache:
         the new blocks (keyed when already full). Cannot fail: room was checked."""
         w, pool, g, table = plan.window, plan.pool, plan.growth, seq.tables[plan.window]
         first0 = seq.first[w]
-        for i in range(max(key_start, first0), min(len(seq.keys), first0 + len(table))):
+        # a block that fills up and leaves the window in the same growth is never keyed:
+        # its last positions were never written in this group (they are outside the
+        # window by the time the engine writes them), so its bytes are not the prefix's
+        for i in range(max(key_start, first0, g.first), min(len(seq.keys), first0 + len(table))):
             pool.set_key(table[i - first0], seq.keys[i], _parent(seq.keys, i))
         if g.num_release:
             pool.release(table[: g.num_release])

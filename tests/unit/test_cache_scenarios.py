@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvfold.stats import SequenceStatus
 from kvfold.worker import PagedKVCache
+from kvfold.worker.hashing import block_keys
 from tests.unit.builders import make_cache, toks
 
 
@@ -218,3 +219,20 @@ def test_trtllm_stats_has_tensorrt_llms_names_and_meanings() -> None:
         "cacheHitRate": 4 / 6,
     }
     assert s["kvCacheStatsPerWindow"] == {"full": kv}
+
+
+def test_a_block_that_fills_and_leaves_the_window_in_one_growth_is_not_reusable() -> None:
+    """Window 4, 2 tokens a block. Growing "a" from 1 token to 6 in one append fills
+    block 0 (positions 0-1) and slides the window past it at once: position 1 was never
+    written in the window group, so its block must not be offered for reuse there
+    (Hypothesis found the wrong bytes reused, and offloaded)."""
+    cache = make_cache({None: 8, 4: 8}, windows=(None, 4), tokens_per_block=2)
+    assert cache.add_sequence("a", [0])
+    assert cache.append_tokens("a", [1, 2, 3, 4, 5])
+    k0 = block_keys([0, 1], 2)[0]
+    assert k0 in cache.pools[None].key_to_block  # full attention holds it, written
+    assert k0 not in cache.pools[4].key_to_block
+    cache.commit_iteration()
+    assert cache.add_sequence("b", [0, 1, 9])
+    d = cache.commit_iteration().windows
+    assert (d[None].reused_blocks, d[4].reused_blocks) == (1, 0)
