@@ -24,11 +24,11 @@ from kvfold.aggregator.receiver import ACCEPTED, LATE
 from kvfold.blockindex.events import HOST, Event
 from kvfold.blockindex.feed import Snapshot
 from kvfold.codec import encode_node_report
-from kvfold.event_publisher import EventPublisher
 from kvfold.hosttier import HostTierServer
 from kvfold.naming import AGGREGATOR_NAME, rank_actor_name
 from kvfold.ray_actor import (
     BackgroundLoop,
+    EventPublisher,
     Every,
     InFlight,
     gone_among,

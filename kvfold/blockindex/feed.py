@@ -47,6 +47,17 @@ Cursor = tuple[int, int]  # (the feed's epoch, ops appended so far)
 NO_CURSOR: Cursor = (0, -1)  # a replica that has taken nothing yet
 
 
+def apply_op(index: BlockIndex, op: Op) -> None:
+    """One op of the log, on an index (the feed's own, or a replica's)."""
+    kind = op[0]
+    if kind == "apply":
+        index.apply(op[1], op[2])
+    elif kind == "reset":
+        index.reset(op[1], op[2], op[3], op[4])
+    else:
+        index.clear(op[1])
+
+
 @dataclass(slots=True)
 class _Stream:
     incarnation: int
@@ -95,13 +106,7 @@ class IndexFeed:
     # ------------------------------------------------------------------ intake
 
     def _op(self, op: Op) -> None:
-        kind = op[0]
-        if kind == "apply":
-            self.index.apply(op[1], op[2])
-        elif kind == "reset":
-            self.index.reset(op[1], op[2], op[3], op[4])
-        else:
-            self.index.clear(op[1])
+        apply_op(self.index, op)
         self.log.append(op)
         self.num_ops += 1
 
@@ -223,11 +228,5 @@ class Replica:
             self.index = BlockIndex(self.rank_to_node)
             self.resets += 1
         for op in ops or ():
-            kind = op[0]
-            if kind == "apply":
-                self.index.apply(op[1], op[2])
-            elif kind == "reset":
-                self.index.reset(op[1], op[2], op[3], op[4])
-            else:
-                self.index.clear(op[1])
+            apply_op(self.index, op)
         self.cursor = cursor

@@ -25,10 +25,9 @@ from kvfold.blockindex.events import RANK
 from kvfold.blockindex.feed import Snapshot
 from kvfold.codec import encode_rank_report
 from kvfold.errors import NodeUnavailable
-from kvfold.event_publisher import EventPublisher
 from kvfold.hosttier.packing import unpack_blocks
 from kvfold.naming import node_actor_name
-from kvfold.ray_actor import BackgroundLoop, InFlight, named_actor
+from kvfold.ray_actor import BackgroundLoop, EventPublisher, InFlight, named_actor
 from kvfold.stats import (
     BlockDeltas,
     IterationStats,

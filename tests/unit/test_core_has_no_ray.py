@@ -9,7 +9,7 @@ import sys
 import kvfold
 
 ROOT = pathlib.Path(kvfold.__file__).parent
-SHELLS = ("cli", "metrics", "event_publisher")
+SHELLS = ("cli", "metrics")
 
 
 def core_modules() -> list[str]:
@@ -59,8 +59,7 @@ FLOORS: tuple[tuple[int, tuple[str, ...]], ...] = (
          "kvfold.blockindex")),
     (3, ("kvfold.admission", "kvfold.workload", "kvfold.metrics", "kvfold.display",
          "kvfold.live", "kvfold.kv_manager")),
-    (4, ("kvfold.ray_actor", "kvfold.event_publisher",
-         "kvfold.worker.rank_actor", "kvfold.aggregator.node_actor",
+    (4, ("kvfold.ray_actor", "kvfold.worker.rank_actor", "kvfold.aggregator.node_actor",
          "kvfold.aggregator.cluster_actor", "kvfold.aggregator.client", "kvfold.cluster",
          "kvfold.cli", "kvfold.aggregator")),
 )  # fmt: skip
