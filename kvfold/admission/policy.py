@@ -43,7 +43,6 @@ import socket
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -226,6 +225,7 @@ class AdmissionPolicy:
         self.reserved: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._room: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._capacity: IntArray = np.zeros((0, 0), dtype=np.int64)
+        self._capacity_floor: list[int] = []
         self._committed0: IntArray = np.zeros(0, dtype=np.int64)  # first window, per rank
         self._key_to_rank: OrderedDict[bytes, int] = OrderedDict()
         self._affinity_keys = affinity_keys
@@ -256,6 +256,10 @@ class AdmissionPolicy:
         self.index = idx
         # fresh ranks' capacity less the watermark; -1 for ranks that are not candidates
         self._capacity = np.where(idx.fresh, idx.total - self.watermark_blocks, -1)
+        # per window, the least any fresh rank can hold: a request within it fits some
+        # rank's total wherever it is fresh
+        fresh_capacity = self._capacity[:, idx.fresh]
+        self._capacity_floor = fresh_capacity.min(axis=1).tolist() if idx.any_fresh else []
         self._committed0 = idx.total[0] - idx.room[0] if idx.windows else idx.total.sum(0)
         self._recount(idx)
 
@@ -316,17 +320,26 @@ class AdmissionPolicy:
         # (which must fit some empty rank, whatever the policy: else it never finishes)
         P, B = request.prompt_tokens, idx.tokens_per_block
         full_end = P + request.max_new_tokens
-        ends: tuple[int, ...] = (full_end,)
+        end = full_end
         if self.capacity_policy is not Policy.GUARANTEED_NO_EVICT:
-            ends = (declared_end(P, request.max_new_tokens, self.capacity_policy, B), full_end)
-        table = np.array([[m.peak_blocks(P, e) for e in ends] for m in idx.managers])
-        need_col, whole = table[:, :1], table[:, -1:]
-        need = dict(zip(idx.windows, need_col[:, 0].tolist(), strict=True))
-        could = cast("npt.NDArray[np.bool_]", (self._capacity >= whole).all(0))
-        if not could.any():
-            return Decision(Outcome.REJECT, "exceeds_rank_capacity", version, blocks=need)
+            end = declared_end(P, request.max_new_tokens, self.capacity_policy, B)
+        need_list = [m.peak_blocks(P, end) for m in idx.managers]
+        whole = need_list if end == full_end else [m.peak_blocks(P, full_end) for m in idx.managers]
+        need = dict(zip(idx.windows, need_list, strict=True))
+        could: npt.NDArray[np.bool_]
+        floor = self._capacity_floor
+        if len(floor) == len(whole) and all(map(int.__le__, whole, floor)):
+            could = idx.fresh  # within what every fresh rank can hold
+        else:
+            could = np.all(self._capacity >= np.array(whole)[:, None], axis=0)
+            if not could.any():
+                return Decision(Outcome.REJECT, "exceeds_rank_capacity", version, blocks=need)
         room = self._room
-        fits: npt.NDArray[np.bool_] = could & (room >= need_col).all(0)
+        single = len(need_list) == 1
+        need_col = np.array(need_list)[:, None]
+        fits: npt.NDArray[np.bool_] = could & (
+            room[0] >= need_list[0] if single else (room >= need_col).all(0)
+        )
         overflow = False
         if not fits.any() and self.num_controllers > 1:
             room = self._whole_room_where_no_lease_fits(idx, need_col)
@@ -337,9 +350,12 @@ class AdmissionPolicy:
         rank, prefix = self._choose(request, fits, room, now_s, overflow)
         self.last_ticket += 1
         self.book.add(request.request_id, rank, self.last_ticket, need, now_s)
-        need_rank = need_col[:, 0]
-        self.reserved[:, rank] += need_rank
-        self._room[:, rank] -= need_rank
+        if single:
+            self.reserved[0, rank] += need_list[0]
+            self._room[0, rank] -= need_list[0]
+        else:
+            self.reserved[:, rank] += need_col[:, 0]
+            self._room[:, rank] -= need_col[:, 0]
         if self.router is Router.APPROX_PREFIX:
             self._remember(request.prefix_keys, rank)
         elif self.router is Router.PRECISE_PREFIX:
@@ -398,7 +414,7 @@ class AdmissionPolicy:
             prompt_blocks = -(-request.prompt_tokens // B)
             cost = precise_cost(match, prompt_blocks, load, self.weights)
             rank = lowest(cost, fits, room)
-            return rank, int(match.total[rank])
+            return rank, match.of(rank)[1]
         if router is Router.APPROX_PREFIX and request.prefix_keys:
             best, best_len = -1, 0
             for i, key in enumerate(request.prefix_keys):

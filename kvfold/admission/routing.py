@@ -38,7 +38,7 @@ from itertools import repeat, takewhile
 import numpy as np
 import numpy.typing as npt
 
-from kvfold.blockindex.index import Match
+from kvfold.blockindex.match import Match
 from kvfold.checks import check_positive
 
 IntArray = npt.NDArray[np.int64]
@@ -90,70 +90,92 @@ def precise_cost(
     (w + 1) P + load - (w + 1 - w (1 - c)) gpu - w (1 - c) total."""
     w, c = weights.overlap_weight, weights.onboard_cost
     host_w = w * (1.0 - c)
-    cost = load_blocks + (w + 1.0) * prompt_blocks - (w + 1.0 - host_w) * match.gpu
-    cost -= host_w * match.total
+    cost = match.weighted(host_w - w - 1.0, -host_w)  # in place from here: one array
+    cost += load_blocks
+    cost += (w + 1.0) * prompt_blocks
     return cost
 
 
 def lowest(cost: npt.NDArray[np.float64], fits: BoolArray, room: IntArray) -> int:
     """The rank that fits with the lowest cost; ties to the most room in the tightest
-    window (`room`: per window and rank, looked at only when there is a tie)."""
-    c = np.where(fits, cost, np.inf)
-    best = int(c.argmin())
-    ties = np.flatnonzero(c == c[best])
-    if len(ties) == 1:
+    window (`room`: per window and rank, looked at only when there is a tie). `cost` is
+    overwritten where a rank does not fit."""
+    np.copyto(cost, np.inf, where=~fits)
+    best = int(cost.argmin())
+    tied = cost == cost[best]
+    if np.count_nonzero(tied) == 1:
         return best
+    ties = np.flatnonzero(tied)
     return int(ties[np.argmax(room[:, ties].min(axis=0))])
 
 
 class SentPrefixes:
-    """Prompts this controller sent in the last `ttl_s`: each key -> the rank it was
-    sent to (the newest sending wins). A prompt's reusable blocks (all but the last
-    token's) count as held by that rank. Adding and looking up are C-level passes over
-    the keys; each key is expired once."""
+    """Prompts this controller sent in the last `ttl_s`: each key -> (the rank it was
+    sent to, the sending), the newest sending winning. A prompt's reusable blocks (all
+    but the last token's) count as held by that rank. Adding and looking up are C-level
+    passes over the keys; each key is expired once."""
 
     def __init__(self, ttl_s: float, max_sends: int = 100_000) -> None:
         self.ttl_s = ttl_s
         self.max_sends = max_sends
-        self._rank: dict[bytes, int] = {}
-        self._send: dict[bytes, int] = {}  # key -> the sending that set it
-        self._sends: deque[tuple[float, int, Sequence[bytes]]] = deque()  # (when, no, keys)
+        self._sent: dict[bytes, tuple[int, int]] = {}  # key -> (rank, sending no.)
+        self._sends: deque[tuple[float, tuple[int, int], Sequence[bytes]]] = deque()
         self._no = 0
 
     def add(self, keys: Sequence[bytes], rank: int, now_s: float) -> None:
         if not keys:
             return
         self._no += 1
-        self._rank.update(zip(keys, repeat(rank)))
-        self._send.update(zip(keys, repeat(self._no)))
-        self._sends.append((now_s, self._no, keys))
+        sending = (rank, self._no)
+        self._sent.update(zip(keys, repeat(sending)))
+        self._sends.append((now_s, sending, keys))
         if len(self._sends) > self.max_sends:
-            self._expire(float("inf"), len(self._sends) - self.max_sends)
+            self._expire(float("-inf"), len(self._sends) - self.max_sends)
 
     def _expire(self, cutoff: float, at_least: int = 0) -> None:
-        sends, send, rank = self._sends, self._send, self._rank
+        sends, sent = self._sends, self._sent
         while sends and (at_least > 0 or sends[0][0] < cutoff):
-            _, no, keys = sends.popleft()
+            _, sending, keys = sends.popleft()
             at_least -= 1
             for k in keys:
-                if send.get(k) == no:  # not sent again since
-                    del send[k]
-                    del rank[k]
+                if sent.get(k) is sending:  # not sent again since
+                    del sent[k]
 
     def overlay(self, match: Match, keys: Sequence[bytes], reusable: int, now_s: float) -> Match:
         """`match`, with the rank the prompt's first block was sent to holding at least the
         run sent there (capped at the `reusable` blocks: all but the last token's)."""
         self._expire(now_s - self.ttl_s)
-        if not self._rank or not keys:
+        if not self._sent or not keys or reusable <= 0:
             return match
-        rank = self._rank.get(keys[0])
-        if rank is None:
+        first = self._sent.get(keys[0])
+        if first is None:
             return match
-        sent = list(map(self._rank.get, keys[:reusable], repeat(-1)))
-        run = len(list(takewhile(rank.__eq__, sent)))
-        if run <= match.gpu[rank]:
+        rank = first[0]
+        gpu = match.of(rank)[0]
+        if gpu >= reusable:
             return match
-        gpu, total = match.gpu.copy(), match.total.copy()
-        gpu[rank] = run
-        total[rank] = max(total[rank], run)
-        return Match(gpu, total)
+        run = _leading_run(list(map(self._sent.get, keys[:reusable], repeat(_UNSENT))), rank)
+        if run <= gpu:
+            return match
+        return match.with_held(rank, run, run)
+
+
+_UNSENT = (-1, 0)  # a key no kept sending holds
+
+
+def _leading_run(sent: list[tuple[int, int]], rank: int) -> int:
+    """How many leading entries are sendings to `rank`. A prompt's keys are chained, so
+    one sending's keys come in a row: each sending is counted at C speed, and a walk is
+    made only where they do not."""
+    run = 0
+    while run < len(sent):
+        sending = sent[run]
+        if sending[0] != rank:
+            break
+        rest = sent[run:] if run else sent
+        n = rest.count(sending)
+        if rest[:n].count(sending) == n:  # all of them in a row from here
+            run += n
+        else:
+            run += len(list(takewhile(sending.__eq__, rest)))
+    return run

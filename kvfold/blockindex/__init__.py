@@ -3,6 +3,7 @@
     kvfold.blockindex.events   vLLM-shaped KV events and their envelope (msgpack)
     kvfold.blockindex.journal  what one cache's keys gained and lost, compacted per batch
     kvfold.blockindex.index    BlockIndex: key -> holders; longest-prefix match per rank
+    kvfold.blockindex.match    the answer: per rank, the prompt blocks it could reuse
     kvfold.blockindex.feed     per-source streams: sequence numbers, gaps, snapshots;
                                the op log replicas (each controller's copy) follow
 

@@ -8,9 +8,9 @@ rank at once):
     host[g][key]  ranks whose node's host tier holds it (a node's bit set for each of
                   its ranks, so GPU and host runs walk together)
 
-`match` walks a prompt's keys once, with two running masks, the way the cache itself
-reuses (kvfold.worker.cache): a run of GPU hits from the window's first block, then a
-run of host hits onboarded after it.
+`match` walks a prompt's keys the way the cache itself reuses (kvfold.worker.cache): a
+run of GPU hits from the window's first block, then a run of host hits onboarded after
+it; the answer is a kvfold.blockindex.match.Match.
 
     gpu_run[r]    = the longest i with keys[start : start+i] all on rank r's GPU
     total_run[r]  = gpu_run[r] + the run its node's host tier holds from there on
@@ -22,9 +22,7 @@ from a snapshot in time proportional to what it held. Pure; no Ray.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from itertools import accumulate, compress, groupby, repeat, takewhile
-from operator import and_
+from itertools import islice, repeat
 from typing import TypeAlias
 
 import numpy as np
@@ -40,108 +38,12 @@ from kvfold.blockindex.events import (
     BlockStored,
     Event,
 )
+from kvfold.blockindex.match import Match, Runs, disjoint, no_runs, walk
 from kvfold.stats import Window
 from kvfold.worker.windows import window_manager
 
 Source: TypeAlias = tuple[str, int]  # (RANK, rank) or (HOST, node)
 IntArray = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True, slots=True)
-class Runs:
-    """Per-rank run lengths, compressed: nested rank masks (each a subset of the one
-    before), each lasting `spans[j]` more positions. A rank in masks 0..j holds
-    spans[0] + ... + spans[j] blocks. A lookup's answer costs O(distinct lengths)."""
-
-    masks: tuple[int, ...]
-    spans: tuple[int, ...]
-    world_size: int
-
-    def array(self) -> IntArray:
-        """The run of every rank, as an array: a rank in the first c masks holds the
-        blocks those masks last. Masks seen lately are unpacked once (popular prefixes
-        give the same masks decision after decision)."""
-        n = self.world_size
-        if not self.masks:
-            return np.zeros(n, dtype=np.int64)
-        counts = _unpacked(self.masks[0], n).astype(np.intp)
-        for m in self.masks[1:]:
-            counts += _unpacked(m, n)
-        ends = np.array(list(accumulate(self.spans, initial=0)), dtype=np.int64)
-        out: IntArray = ends[counts]
-        return out
-
-    @property
-    def longest(self) -> int:
-        return sum(self.spans)
-
-
-_UNPACKED: dict[tuple[int, int], npt.NDArray[np.uint8]] = {}
-_MAX_UNPACKED = 4096
-
-
-def _unpacked(mask: int, n: int) -> npt.NDArray[np.uint8]:
-    """A rank mask as n 0/1 bytes (read-only; kept for the masks seen lately)."""
-    key = (mask, n)
-    bits = _UNPACKED.get(key)
-    if bits is None:
-        raw = np.frombuffer(mask.to_bytes((n + 7) // 8, "little"), np.uint8)
-        bits = np.unpackbits(raw, count=n, bitorder="little")
-        bits.flags.writeable = False
-        if len(_UNPACKED) >= _MAX_UNPACKED:
-            _UNPACKED.clear()
-        _UNPACKED[key] = bits
-    return bits
-
-
-def _runs(acc: list[int], n: int) -> Runs:
-    """Runs from the running masks of successive positions (they only lose bits)."""
-    masks, spans = [], []
-    for m, same in groupby(acc):
-        masks.append(m)
-        spans.append(len(list(same)))
-    return Runs(tuple(masks), tuple(spans), n)
-
-
-class Match:
-    """Per rank, the prompt blocks it could reuse: on its GPU (`gpu`), and with what its
-    node's host tier could onboard after them (`total`, >= gpu). Blocks of the
-    prompt's full-attention positions: for sliding windows, the covered prefix.
-    Built from compressed runs; the arrays are made when first asked for."""
-
-    __slots__ = ("_gpu", "_gpu_runs", "_total", "_total_runs")
-
-    def __init__(
-        self,
-        gpu: IntArray | Runs,
-        total: IntArray | Runs,
-    ) -> None:
-        self._gpu_runs = gpu if isinstance(gpu, Runs) else None
-        self._total_runs = total if isinstance(total, Runs) else None
-        self._gpu = None if isinstance(gpu, Runs) else gpu
-        self._total = None if isinstance(total, Runs) else total
-
-    @property
-    def gpu(self) -> IntArray:
-        if self._gpu is None:
-            assert self._gpu_runs is not None
-            self._gpu = self._gpu_runs.array()
-        return self._gpu
-
-    @property
-    def total(self) -> IntArray:
-        if self._total is None:
-            assert self._total_runs is not None
-            t = self._total_runs
-            self._total = self.gpu if t is self._gpu_runs else t.array()
-        return self._total
-
-    @property
-    def longest(self) -> int:
-        """The longest run any rank has, host included."""
-        if self._total_runs is not None:
-            return self._total_runs.longest
-        return int(self.total.max(initial=0))
 
 
 class BlockIndex:
@@ -290,41 +192,45 @@ class BlockIndex:
 
     def runs(
         self, g: int, keys: Sequence[BlockHash], start: int = 0, limit: int | None = None
-    ) -> tuple[Runs, Runs]:
+    ) -> Runs:
         """Per rank: the GPU run and the GPU-then-host run of keys[start:limit] (blocks).
 
-        The GPU run is one C-level pass (the running AND of the keys' masks, up to the
-        first key no rank holds); the host walk covers only the keys some host tier holds."""
+        The GPU run is one C-level pass: the running AND of the keys' masks, up to the
+        first key no rank holds. Then, for each class of ranks with the same GPU run L,
+        one more C-level pass over the keys' host masks from position L: a rank's node
+        onboards what its host tier holds right after the rank's own GPU run."""
         n = self.world_size
         ks = keys[start:limit]
         if not ks or g >= len(self.gpu):
-            none = Runs((), (), n)
-            return none, none
-        gacc = list(takewhile(bool, accumulate(map(self.gpu[g].get, ks, repeat(0)), and_)))
-        gpu_runs = _runs(gacc, n)
+            return no_runs(n)
+        gpu, nested = walk(map(self.gpu[g].get, ks, repeat(0)), self.all_ranks)
+        masks = disjoint(nested)
         host = self.host[g]
         if not host:
-            return gpu_runs, gpu_runs
-        hs = list(map(host.get, ks, repeat(0)))
-        held = list(compress(range(len(hs)), hs))
-        if not held:
-            return gpu_runs, gpu_runs
-        # alive[i] = gacc[i] | (alive[i-1] & hs[i]): equal to gacc[i] wherever no host
-        # tier holds key i, so only [first host key, last host key] needs the walk
-        gacc_full = gacc + [0] * (len(ks) - len(gacc))
-        lo, hi = held[0], held[-1]
-        if lo > len(gacc):  # every GPU run ended before the first key a host tier holds
-            return gpu_runs, gpu_runs
-        alive_acc = gacc_full[:lo]
-        alive = alive_acc[-1] if lo else self.all_ranks
-        for i in range(lo, hi + 1):
-            alive = gacc_full[i] | (alive & hs[i])
-            if not alive:
-                break
-            alive_acc.append(alive)
-        else:
-            alive_acc += list(takewhile(bool, gacc_full[hi + 1 :]))
-        return gpu_runs, _runs(alive_acc, n)
+            return Runs(tuple(gpu), tuple(gpu), tuple(masks), n)
+        G, T, M = [], [], []
+        # the class with no GPU run (it holds something only if its host tier does),
+        # then each class with GPU run gpu[k]; a class's walk stops at the first key
+        # none of its host tiers hold
+        get, size = host.get, len(ks)
+        no_gpu = self.all_ranks & ~nested[0] if nested else self.all_ranks
+        for run, ranks in zip([0, *gpu], [no_gpu, *masks], strict=True):
+            if run < size and get(ks[run], 0) & ranks:
+                ends, extended = walk(map(get, islice(ks, run, None), repeat(0)), ranks)
+                rest = ranks & ~extended[0]
+                if rest and run:
+                    G.append(run)
+                    T.append(run)
+                    M.append(rest)
+                for end, mask in zip(ends, disjoint(extended), strict=True):
+                    G.append(run)
+                    T.append(run + end)
+                    M.append(mask)
+            elif run:
+                G.append(run)
+                T.append(run)
+                M.append(ranks)
+        return Runs(tuple(G), tuple(T), tuple(M), n)
 
     def match(self, keys: Sequence[BlockHash], prompt_tokens: int) -> Match:
         """Per rank, the blocks of a prompt (its full-block `keys`, `prompt_tokens` long)
@@ -334,24 +240,22 @@ class BlockIndex:
         n = self.world_size
         B = self.block_size
         if not self.windows or not keys or not B:
-            none = Runs((), (), n)
-            return Match(none, none)
+            return Match(no_runs(n))
         limit = min(len(keys), (prompt_tokens - 1) // B)
         if len(self.windows) == 1 and None in self.windows.values():  # full attention only
             g = next(iter(self.windows))
-            return Match(*self.runs(g, keys, 0, limit))
+            return Match(self.runs(g, keys, 0, limit))
         gpu_cover = tot_cover = None
         for g, window in self.windows.items():
             start = window_manager(window, B).first_block(prompt_tokens)
-            gpu_runs, tot_runs = self.runs(g, keys, start, limit)
-            gpu_run, tot_run = gpu_runs.array(), tot_runs.array()
+            gpu_run, tot_run = self.runs(g, keys, start, limit).arrays()
             if start:  # a sliding window: covered up to where its run ends, if it has one
                 gpu_run = np.where(gpu_run > 0, gpu_run + start, 0)
                 tot_run = np.where(tot_run > 0, tot_run + start, 0)
             gpu_cover = gpu_run if gpu_cover is None else np.minimum(gpu_cover, gpu_run)
             tot_cover = tot_run if tot_cover is None else np.minimum(tot_cover, tot_run)
         assert gpu_cover is not None and tot_cover is not None
-        return Match(gpu_cover, tot_cover)
+        return Match((gpu_cover, tot_cover))
 
     def node_run(self, node: int, keys: Sequence[BlockHash], g: int = 0) -> int:
         """How many leading `keys` node's host tier holds in group g."""
