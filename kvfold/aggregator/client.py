@@ -14,6 +14,7 @@ from typing import Any
 import ray
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError
 
+from kvfold.aggregator.view_delta import ViewReader
 from kvfold.blockindex.feed import Cursor
 from kvfold.errors import AggregatorUnavailable
 from kvfold.naming import AGGREGATOR_NAME, DEFAULT_NAMESPACE
@@ -56,6 +57,7 @@ class KVFoldClient:
         self.namespace = namespace
         self.timeout_s = timeout_s
         self._handle: Any = None
+        self._reader = ViewReader()  # the last view, rebuilt from deltas
 
     def _aggregator(self) -> Any:
         if self._handle is None:
@@ -82,8 +84,13 @@ class KVFoldClient:
             ) from e
 
     def view(self) -> ClusterView:
-        view: ClusterView = pickle.loads(self._call("view"))
-        return view
+        """The current view. Only what changed since this client's last view travels and
+        is decoded (kvfold.aggregator.view_delta)."""
+        while True:
+            have = self._reader.version
+            view = self._reader.apply(self._call("view_since", have), have)
+            if view is not None:
+                return view
 
     def version(self) -> int:
         version: int = self._call("version")
@@ -91,11 +98,12 @@ class KVFoldClient:
 
     def wait_for_version(self, version: int, timeout_s: float = 5.0) -> ClusterView | None:
         """The first view newer than `version`, or None when none came within `timeout_s`."""
-        data = self._call("wait_for_version", version, timeout_s, timeout_s=timeout_s + 5.0)
+        have = self._reader.version
+        data = self._call("wait_for_version", version, timeout_s, have, timeout_s=timeout_s + 5.0)
         if data is None:
             return None
-        view: ClusterView = pickle.loads(data)
-        return view
+        view = self._reader.apply(data, have)
+        return view if view is not None and view.version > version else self.view()
 
     def rank(self, rank: int) -> tuple[RankSummary, SourceState] | None:
         """A rank's last summary and its node's state (drill-down), from the current view."""

@@ -19,6 +19,7 @@ from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
 from kvfold.aggregator.cluster_state import ClusterState
 from kvfold.aggregator.receiver import ACCEPTED
+from kvfold.aggregator.view_delta import ViewSender
 from kvfold.blockindex.events import HOST, RANK, BlockHash, EventError, decode_envelope
 from kvfold.blockindex.feed import IndexFeed
 from kvfold.blockindex.index import BlockIndex, Source
@@ -71,6 +72,7 @@ class ClusterAggregator:
         self.cond = threading.Condition()
         self._bytes_version = -1
         self._bytes = b""
+        self.sender = ViewSender()  # views as deltas, per reader (kvfold.aggregator.view_delta)
         self._probe = Every(5 * report_interval_s)
         self.admission: dict[str, dict[tuple[str, str], int]] = {}
         self.ray_node_ids = list(ray_node_ids or [])  # where each kvfold node's actor lives
@@ -179,12 +181,25 @@ class ClusterAggregator:
         with self.cond:
             return self._view_bytes()
 
+    def _delta(self, have: int) -> bytes | None:
+        self.sender.update(self._refresh())
+        return self.sender.since(have)
+
+    def view_since(self, have: int) -> bytes | None:
+        """What a reader holding version `have` needs to hold the current view: the
+        nodes that changed since (kvfold.aggregator.view_delta), or None if nothing did."""
+        with self.cond:
+            return self._delta(int(have))
+
     def version(self) -> int:
         with self.cond:
             return self._refresh().version
 
-    def wait_for_version(self, version: int, timeout_s: float) -> bytes | None:
-        """The first view newer than `version`, or None after `timeout_s`."""
+    def wait_for_version(
+        self, version: int, timeout_s: float, have: int | None = None
+    ) -> bytes | None:
+        """The first view newer than `version` (as a delta from version `have` when
+        given, else whole), or None after `timeout_s`."""
         deadline = time.monotonic() + max(0.0, float(timeout_s))
         with self.cond:
             while self._refresh().version <= version:
@@ -192,7 +207,7 @@ class ClusterAggregator:
                 if left <= 0:
                     return None
                 self.cond.wait(min(left, self.report_interval_s))
-            return self._view_bytes()
+            return self._view_bytes() if have is None else self._delta(int(have))
 
     # ------------------------------------------------------------ block index
 

@@ -1,0 +1,132 @@
+"""Views on the wire as deltas: a reader is sent only the nodes that changed since the
+version it holds, each encoded once per change. Pure; no Ray.
+
+A fold keeps the node entries that did not change (kvfold.aggregator.cluster_state:
+the same objects), so the sender knows, per node, the version at which its entry last
+changed, and keeps that entry's bytes. A reader at version v gets:
+
+    nothing                                   it holds the current version
+    the cluster's totals + the nodes whose    it holds a version of this sender's
+      entry changed after v                   (most reads: one node or a few)
+    everything                                it holds nothing, or a version from before
+                                              this sender started (an aggregator restart)
+
+so a reader pays to decode what changed, not the whole cluster (at 1,024 ranks a whole
+view takes milliseconds to decode), and the sender encodes each node once per change,
+not once per reader. The reader rebuilds a ClusterView equal to the sender's.
+Pickled, as whole views are: one trusted kvfold process to another.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvfold.view import ClusterView, NodeUtilization
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_TOTALS = ("built_at_s", "gpu", "host", "num_sequences_by_status", "counters", "built_at_unix_s")
+
+
+@dataclass(frozen=True, slots=True)
+class ViewDelta:
+    version: int
+    whole: bool  # every node is here, with the topology: the reader starts over
+    rank_to_node: tuple[int, ...] | None  # with `whole` only
+    totals: bytes  # the cluster's own fields (everything but the nodes and the topology)
+    nodes: tuple[tuple[int, bytes], ...]  # (node, its entry) for the nodes sent
+
+
+class ViewSender:
+    """The sending side, in the aggregator. `update` with every view it serves (cheap
+    when the version did not change), then `since(v)` for each reader."""
+
+    def __init__(self) -> None:
+        self.view: ClusterView | None = None
+        self.first_version = -1  # the first version this sender saw: older ones are not its own
+        self._entries: list[NodeUtilization] = []
+        self._bytes: list[bytes] = []
+        self._changed_at: list[int] = []
+        self._totals = b""
+
+    def update(self, view: ClusterView) -> None:
+        old = self.view
+        if old is not None and view.version == old.version:
+            return
+        if old is None or view.rank_to_node != old.rank_to_node:
+            self.first_version = view.version
+            self._entries, self._bytes, self._changed_at = [], [], []
+        entries, encoded, changed = self._entries, self._bytes, self._changed_at
+        for n, entry in enumerate(view.nodes):
+            if n == len(entries):
+                entries.append(entry)
+                encoded.append(pickle.dumps(entry, _PROTOCOL))
+                changed.append(view.version)
+            elif entry is not entries[n] and entry != entries[n]:
+                entries[n] = entry
+                encoded[n] = pickle.dumps(entry, _PROTOCOL)
+                changed[n] = view.version
+        self._totals = pickle.dumps(tuple(getattr(view, f) for f in _TOTALS), _PROTOCOL)
+        self.view = view
+
+    def since(self, version: int) -> bytes | None:
+        """What a reader holding `version` needs (None: it is current). 0: it holds nothing."""
+        view = self.view
+        if view is None:
+            raise RuntimeError("ViewSender.since before any update")
+        if version == view.version:
+            return None
+        whole = not self.first_version <= version < view.version
+        nodes = tuple(
+            (n, b)
+            for n, (b, at) in enumerate(zip(self._bytes, self._changed_at, strict=True))
+            if whole or at > version
+        )
+        delta = ViewDelta(
+            view.version, whole, view.rank_to_node if whole else None, self._totals, nodes
+        )
+        return pickle.dumps(delta, _PROTOCOL)
+
+
+class ViewReader:
+    """The reading side, in a client: the newest view it rebuilt. Thread-safe; never goes
+    back to an older version."""
+
+    def __init__(self) -> None:
+        self.view: ClusterView | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        view = self.view
+        return view.version if view is not None else 0
+
+    def apply(self, data: bytes | None, have: int) -> ClusterView | None:
+        """The view after a sender's answer to `since(have)`; None when that answer is
+        relative to a view this reader no longer holds (another thread moved it on):
+        ask again from `version`."""
+        delta: ViewDelta | None = None if data is None else pickle.loads(data)
+        with self._lock:
+            old = self.view
+            if delta is None or (old is not None and delta.version <= old.version):
+                if old is None:
+                    raise ValueError("view delta: nothing sent and no view held")
+                return old  # what it holds is as new or newer
+            if not delta.whole and (old is None or old.version != have):
+                return None
+            if delta.whole:
+                assert delta.rank_to_node is not None
+                rank_to_node = delta.rank_to_node
+                nodes: list[Any] = [None] * len(delta.nodes)
+            else:
+                assert old is not None
+                rank_to_node, nodes = old.rank_to_node, list(old.nodes)
+            for n, entry in delta.nodes:
+                nodes[n] = pickle.loads(entry)
+            totals = dict(zip(_TOTALS, pickle.loads(delta.totals), strict=True))
+            self.view = ClusterView(
+                version=delta.version, rank_to_node=rank_to_node, nodes=tuple(nodes), **totals
+            )
+            return self.view
