@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from itertools import repeat, takewhile
+from operator import countOf
 
 from kvfold.blockindex.journal import EventJournal
 from kvfold.errors import IntegrityError
@@ -50,30 +52,36 @@ class BlockPool:
         return len(self.evictable)
 
     def cached_run(self, keys: Iterable[bytes]) -> list[int]:
-        """The blocks holding `keys`, from the first, up to the first key not held."""
-        lookup = self.key_to_block.get
-        out: list[int] = []
-        for key in keys:
-            b = lookup(key)
-            if b is None:
-                break
-            out.append(b)
-        return out
+        """The blocks holding `keys`, from the first, up to the first key not held
+        (one C-level pass: block ids are never negative)."""
+        return list(takewhile((-1).__lt__, map(self.key_to_block.get, keys, repeat(-1))))
+
+    def num_unheld(self, blocks: Iterable[int]) -> int:
+        """How many of `blocks` no table holds (cached: attaching them makes them used)."""
+        return countOf(map(self.ref_counts.__getitem__, blocks), 0)
 
     def can_take(
         self, n: int, attaching: Iterable[int] = (), releasing: Iterable[int] = ()
     ) -> bool:
         """Whether `take(n)` would succeed after attaching `attaching` (cached blocks
         leave the free count) and releasing `releasing` once (blocks held once return)."""
-        refs = self.ref_counts
-        revived = sum(1 for b in attaching if refs[b] == 0)
-        freed = sum(1 for b in releasing if refs[b] == 1)
+        refs = self.ref_counts.__getitem__
+        revived = countOf(map(refs, attaching), 0)
+        freed = countOf(map(refs, releasing), 1)
         return n + revived <= self.num_free + freed
 
     def attach_all(self, blocks: Iterable[int]) -> None:
-        """`attach` each block (a run of prefix hits)."""
+        """`attach` each block (a run of prefix hits), in one pass."""
+        refs = self.ref_counts
+        evictable = self.evictable
+        revived = 0
         for b in blocks:
-            self.attach(b)
+            r = refs[b]
+            if r == 0:
+                del evictable[b]
+                revived += 1
+            refs[b] = r + 1
+        self.num_used += revived
 
     def take(self, n: int) -> list[int] | None:
         """Give out `n` blocks with ref_count 1, or None (nothing changed) if short."""

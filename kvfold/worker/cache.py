@@ -205,7 +205,7 @@ class PagedKVCache:
                 return None
             grows = mgr.commitment(length, end)
             if not mgr.counts_held:  # the blocks it makes used join the pool's count
-                grows += num_new + sum(1 for b in hits if pool.ref_counts[b] == 0)
+                grows += num_new + pool.num_unheld(hits)
             if self.committed(w) + grows > pool.num_blocks:
                 return None
             plans.append(_PromptPlan(w, pool, first, limit, hits, num_new, self.block_size))
