@@ -1,8 +1,8 @@
 """Block pool speed: add + free with hashing, cached-prefix lookup, stats() at two sizes.
 
-Reference (issue): vLLM's block pool takes ~0.3-0.5 ms per allocate + cache +
-free cycle of 1,000 blocks with keys precomputed, 70-96 us to sha256 a 64-block
-prefix, ~25 us to look a cached 64-block prefix up.
+The request path against its anchor, vLLM's own BlockPool measured in the same run, is
+benchmarks/bench_vs_vllm.py (its targets are ratios: machines differ 2-3x). Here (a) is
+printed for reference; (c) is a ratio to the same figure at 1,000 blocks.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _report import median_time_s, report
+from _report import info, median_time_s, report
 
 from kvfold.worker import KVCacheConfig, PagedKVCache
 from kvfold.worker.hashing import block_keys
@@ -47,7 +47,8 @@ def main() -> int:
 
     add_free()
     t = median_time_s(add_free, repeats=40)
-    ok &= report("(a) add + free, 1,000-block prompt, hashing included", t * 1e3, "ms", 1.0)
+    info("(a) add + free, 1,000-block prompt, hashing included", t * 1e3, "ms")
+    print("    (against vLLM's BlockPool in the same run: bench_vs_vllm.py, fresh 1,000)")
 
     lookup_cache = make(256)
     p64 = list(range(64 * B + 1))

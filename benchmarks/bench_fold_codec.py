@@ -1,10 +1,13 @@
-"""Wire codec and folds: encode+decode+validate per report; fold_cluster at scale; view memory."""
+"""Wire codec and folds: encode+decode+validate per report (beside pickle's round trip of
+the same report, same run); fold_cluster at scale; view memory; a view sent to a reader
+whole or as a delta of the one node that changed (kvfold.aggregator.view_delta)."""
 
 from __future__ import annotations
 
 import pickle
 import sys
 import tracemalloc
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -12,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _report import info, median_time_s, report
 
 from kvfold.aggregator.fold import fold_cluster, fold_node
+from kvfold.aggregator.view_delta import ViewReader, ViewSender
 from kvfold.codec import decode_rank_report, encode_rank_report
 from kvfold.stats import BlockDeltas, BlockGauges, HostStats, RankReport, SequenceStatus
 from kvfold.topology import Topology
@@ -28,7 +32,7 @@ def rank_report(rank: int) -> RankReport:
             4096: BlockDeltas(3, 3, 0, 0, 0, 3, 1),
         },
         num_sequences_by_status={s: 7 * i for i, s in enumerate(SequenceStatus)},
-        added_seq_ids=("req-000123", "req-000124"),
+        tickets={"scheduler-a-1f2e3d4c": 123, "scheduler-b-5a6b7c8d": 7},
     )
 
 
@@ -51,7 +55,10 @@ def main() -> None:
 
     assert round_trip() == rep
     t = median_time_s(round_trip, repeats=30, number=500)
-    report("encode + decode + validate, one 2-window rank report", t * 1e6, "us", 20.0)
+    t_pickle = median_time_s(lambda: pickle.loads(pickle.dumps(rep)), repeats=30, number=500)
+    info("encode + decode + validate, one 2-window rank report", t * 1e6, "us")
+    info("  pickle round trip of the same report (no validation), same run", t_pickle * 1e6, "us")
+    report("  codec / pickle (target: no slower than pickle)", t / t_pickle, "x", 1.0)
     report("bytes per rank report", len(data), "B", 512)
 
     for world, gpn, target_ms in ((1024, 8, 1.0), (8192, 8, 8.0)):
@@ -65,6 +72,8 @@ def main() -> None:
         tn = median_time_s(lambda: fold_node(topo, 0, node0, None), repeats=30, number=20)
         info("  (fold_node of one 8-rank node, on its own node actor)", tn * 1e6, "us")
         info("  (all nodes folded serially + fold_cluster)", (tn * topo.num_nodes + t) * 1e3, "ms")
+
+    view_deltas()
 
     topo = Topology(8192, 8)
     views = node_views(topo)
@@ -86,6 +95,38 @@ def main() -> None:
         len(pickle.dumps(view)) / 2**20,
         "MiB",
     )
+
+
+def view_deltas() -> None:
+    """A reader one version behind, at 1,024 ranks: the whole view (pickled once per
+    version, decoded by each reader) against the delta of the one node that changed."""
+    topo = Topology(1024, 8)
+    views = node_views(topo)
+    sender, reader = ViewSender(), ViewReader()
+    v1 = fold_cluster(topo, views, version=1)
+    sender.update(v1)
+    reader.apply(sender.since(0), 0)
+    changed = dict(views)
+    changed[3] = fold_node(topo, 3, {r: rank_report(r) for r in topo.ranks_on(3)}, None)
+    folded = fold_cluster(topo, changed, version=2)
+    # as ClusterState keeps them: the nodes that did not change are the same objects
+    v2 = replace(folded, nodes=v1.nodes[:3] + folded.nodes[3:4] + v1.nodes[4:])
+    sender.update(v2)
+    delta = sender.since(1)
+    assert delta is not None
+    whole = pickle.dumps(v2, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def read_delta() -> object:
+        reader.view = v1
+        return reader.apply(delta, 1)
+
+    assert read_delta() == v2
+    t_whole = median_time_s(lambda: pickle.loads(whole), repeats=15, number=5)
+    t_delta = median_time_s(read_delta, repeats=15, number=20)
+    info("view to a reader one version behind, 1,024 ranks: whole, decode", t_whole * 1e3, "ms")
+    info("  the same as a delta (one node changed), decode + rebuild", t_delta * 1e3, "ms")
+    info("  bytes: whole / delta", len(whole) / 1024, f"KiB / {len(delta) / 1024:.1f} KiB")
+    report("  delta / whole, reader's time (target: 0.1x)", t_delta / t_whole, "x", 0.1)
 
 
 if __name__ == "__main__":

@@ -410,9 +410,10 @@ class AdmissionPolicy:
             match = self.sent.overlay(
                 match, request.prefix_keys, (request.prompt_tokens - 1) // B, now_s
             )
-            load = self._committed0 + self.reserved[0]
             prompt_blocks = -(-request.prompt_tokens // B)
-            cost = precise_cost(match, prompt_blocks, load, self.weights)
+            cost = precise_cost(
+                match, prompt_blocks, self.weights, self._committed0, self.reserved[0]
+            )
             rank = lowest(cost, fits, room)
             return rank, match.of(rank)[1]
         if router is Router.APPROX_PREFIX and request.prefix_keys:

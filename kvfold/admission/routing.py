@@ -84,14 +84,16 @@ class RoutingWeights:
 
 
 def precise_cost(
-    match: Match, prompt_blocks: int, load_blocks: IntArray, weights: RoutingWeights
+    match: Match, prompt_blocks: int, weights: RoutingWeights, *load_blocks: IntArray
 ) -> npt.NDArray[np.float64]:
-    """cost(r) per rank (lower is better); see the module's docstring. Written out:
+    """cost(r) per rank (lower is better), `load_blocks` summed for active blocks; see the
+    module's docstring. Written out:
     (w + 1) P + load - (w + 1 - w (1 - c)) gpu - w (1 - c) total."""
     w, c = weights.overlap_weight, weights.onboard_cost
     host_w = w * (1.0 - c)
     cost = match.weighted(host_w - w - 1.0, -host_w)  # in place from here: one array
-    cost += load_blocks
+    for load in load_blocks:
+        cost += load
     cost += (w + 1.0) * prompt_blocks
     return cost
 
