@@ -37,6 +37,7 @@ Outcomes, checked in this order:
 from __future__ import annotations
 
 import enum
+import operator
 import os
 import secrets
 import socket
@@ -225,7 +226,7 @@ class AdmissionPolicy:
         self.reserved: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._room: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._capacity: IntArray = np.zeros((0, 0), dtype=np.int64)
-        self._capacity_floor: list[int] = []
+        self._min_fresh_capacity: list[int] = []
         self._committed0: IntArray = np.zeros(0, dtype=np.int64)  # first window, per rank
         self._key_to_rank: OrderedDict[bytes, int] = OrderedDict()
         self._affinity_keys = affinity_keys
@@ -259,7 +260,7 @@ class AdmissionPolicy:
         # per window, the least any fresh rank can hold: a request within it fits some
         # rank's total wherever it is fresh
         fresh_capacity = self._capacity[:, idx.fresh]
-        self._capacity_floor = fresh_capacity.min(axis=1).tolist() if idx.any_fresh else []
+        self._min_fresh_capacity = fresh_capacity.min(axis=1).tolist() if idx.any_fresh else []
         self._committed0 = idx.total[0] - idx.room[0] if idx.windows else idx.total.sum(0)
         self._recount(idx)
 
@@ -327,9 +328,9 @@ class AdmissionPolicy:
         whole = need_list if end == full_end else [m.peak_blocks(P, full_end) for m in idx.managers]
         need = dict(zip(idx.windows, need_list, strict=True))
         could: npt.NDArray[np.bool_]
-        floor = self._capacity_floor
-        if len(floor) == len(whole) and all(map(int.__le__, whole, floor)):
-            could = idx.fresh  # within what every fresh rank can hold
+        floor = self._min_fresh_capacity
+        if len(floor) == len(whole) and all(map(operator.le, whole, floor)):
+            could = idx.fresh  # within what every fresh rank can hold (never written to)
         else:
             could = np.all(self._capacity >= np.array(whole)[:, None], axis=0)
             if not could.any():

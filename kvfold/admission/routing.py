@@ -33,7 +33,8 @@ import enum
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import repeat, takewhile
+from itertools import islice, repeat, takewhile
+from operator import itemgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -167,17 +168,12 @@ _UNSENT = (-1, 0)  # a key no kept sending holds
 
 def _leading_run(sent: list[tuple[int, int]], rank: int) -> int:
     """How many leading entries are sendings to `rank`. A prompt's keys are chained, so
-    one sending's keys come in a row: each sending is counted at C speed, and a walk is
-    made only where they do not."""
-    run = 0
-    while run < len(sent):
-        sending = sent[run]
-        if sending[0] != rank:
-            break
-        rest = sent[run:] if run else sent
-        n = rest.count(sending)
-        if rest[:n].count(sending) == n:  # all of them in a row from here
-            run += n
-        else:
-            run += len(list(takewhile(sending.__eq__, rest)))
-    return run
+    the newest sending's keys usually come in a row from the first: counted at C speed.
+    Otherwise (or past it) one C-level pass compares ranks; linear either way."""
+    first = sent[0] if sent else _UNSENT
+    if first[0] != rank:
+        return 0
+    n = sent.count(first)
+    if sent[:n].count(first) != n:  # not all in a row: walk from the start
+        n = 0
+    return n + len(list(takewhile(rank.__eq__, map(itemgetter(0), islice(sent, n, None)))))

@@ -87,8 +87,8 @@ class KVFoldClient:
         """The current view. Only what changed since this client's last view travels and
         is decoded (kvfold.aggregator.view_delta)."""
         while True:
-            have = self._reader.version
-            view = self._reader.apply(self._call("view_since", have), have)
+            asked = self._reader.position
+            view = self._reader.apply(self._call("view_since", asked), asked)
             if view is not None:
                 return view
 
@@ -98,11 +98,11 @@ class KVFoldClient:
 
     def wait_for_version(self, version: int, timeout_s: float = 5.0) -> ClusterView | None:
         """The first view newer than `version`, or None when none came within `timeout_s`."""
-        have = self._reader.version
-        data = self._call("wait_for_version", version, timeout_s, have, timeout_s=timeout_s + 5.0)
-        if data is None:
-            return None
-        view = self._reader.apply(data, have)
+        asked = self._reader.position
+        data = self._call("wait_for_version", version, timeout_s, asked, timeout_s=timeout_s + 5.0)
+        if data is None and asked[1] <= version:
+            return None  # timed out (a reader already past `version` is answered at once)
+        view = self._reader.apply(data, asked)
         return view if view is not None and view.version > version else self.view()
 
     def rank(self, rank: int) -> tuple[RankSummary, SourceState] | None:

@@ -181,25 +181,27 @@ class ClusterAggregator:
         with self.cond:
             return self._view_bytes()
 
-    def _delta(self, have: int) -> bytes | None:
+    def _delta(self, position: tuple[bytes, int]) -> bytes | None:
         self.sender.update(self._refresh())
-        return self.sender.since(have)
+        epoch, version = position
+        return self.sender.since((bytes(epoch), int(version)))
 
-    def view_since(self, have: int) -> bytes | None:
-        """What a reader holding version `have` needs to hold the current view: the
-        nodes that changed since (kvfold.aggregator.view_delta), or None if nothing did."""
+    def view_since(self, position: tuple[bytes, int]) -> bytes | None:
+        """What a reader at `position` (the epoch and version of the view it holds) needs
+        to hold the current view: the nodes that changed since, the whole view, or None
+        when it is current (kvfold.aggregator.view_delta)."""
         with self.cond:
-            return self._delta(int(have))
+            return self._delta(position)
 
     def version(self) -> int:
         with self.cond:
             return self._refresh().version
 
     def wait_for_version(
-        self, version: int, timeout_s: float, have: int | None = None
+        self, version: int, timeout_s: float, position: tuple[bytes, int] | None = None
     ) -> bytes | None:
-        """The first view newer than `version` (as a delta from version `have` when
-        given, else whole), or None after `timeout_s`."""
+        """The first view newer than `version`, whole, or as a delta for a reader at
+        `position` (then None also when that reader is current); None after `timeout_s`."""
         deadline = time.monotonic() + max(0.0, float(timeout_s))
         with self.cond:
             while self._refresh().version <= version:
@@ -207,7 +209,7 @@ class ClusterAggregator:
                 if left <= 0:
                     return None
                 self.cond.wait(min(left, self.report_interval_s))
-            return self._view_bytes() if have is None else self._delta(int(have))
+            return self._view_bytes() if position is None else self._delta(position)
 
     # ------------------------------------------------------------ block index
 

@@ -3,13 +3,15 @@ version it holds, each encoded once per change. Pure; no Ray.
 
 A fold keeps the node entries that did not change (kvfold.aggregator.cluster_state:
 the same objects), so the sender knows, per node, the version at which its entry last
-changed, and keeps that entry's bytes. A reader at version v gets:
+changed, and keeps that entry's bytes. Each sender draws a random epoch; a reader holding
+version v of epoch e gets:
 
-    nothing                                   it holds the current version
-    the cluster's totals + the nodes whose    it holds a version of this sender's
+    nothing                                   it holds this sender's current version
+    the cluster's totals + the nodes whose    it holds an older version of this sender's
       entry changed after v                   (most reads: one node or a few)
-    everything                                it holds nothing, or a version from before
-                                              this sender started (an aggregator restart)
+    everything                                it holds nothing, or a view of another
+                                              sender (the aggregator restarted: its
+                                              versions may even be lower)
 
 so a reader pays to decode what changed, not the whole cluster (at 1,024 ranks a whole
 view takes milliseconds to decode), and the sender encodes each node once per change,
@@ -20,6 +22,7 @@ Pickled, as whole views are: one trusted kvfold process to another.
 from __future__ import annotations
 
 import pickle
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +33,12 @@ _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _TOTALS = ("built_at_s", "gpu", "host", "num_sequences_by_status", "counters", "built_at_unix_s")
 
 
+NOTHING: tuple[bytes, int] = (b"", 0)  # a reader's position before its first view
+
+
 @dataclass(frozen=True, slots=True)
 class ViewDelta:
+    epoch: bytes  # the sender's
     version: int
     whole: bool  # every node is here, with the topology: the reader starts over
     rank_to_node: tuple[int, ...] | None  # with `whole` only
@@ -44,8 +51,9 @@ class ViewSender:
     when the version did not change), then `since(v)` for each reader."""
 
     def __init__(self) -> None:
+        self.epoch = secrets.token_bytes(8)
         self.view: ClusterView | None = None
-        self.first_version = -1  # the first version this sender saw: older ones are not its own
+        self.first_version = -1  # the first version this sender saw
         self._entries: list[NodeUtilization] = []
         self._bytes: list[bytes] = []
         self._changed_at: list[int] = []
@@ -71,50 +79,62 @@ class ViewSender:
         self._totals = pickle.dumps(tuple(getattr(view, f) for f in _TOTALS), _PROTOCOL)
         self.view = view
 
-    def since(self, version: int) -> bytes | None:
-        """What a reader holding `version` needs (None: it is current). 0: it holds nothing."""
+    def since(self, position: tuple[bytes, int]) -> bytes | None:
+        """What a reader at `position` (epoch, version) needs; None: it is current."""
         view = self.view
         if view is None:
             raise RuntimeError("ViewSender.since before any update")
-        if version == view.version:
+        epoch, version = position
+        if epoch == self.epoch and version == view.version:
             return None
-        whole = not self.first_version <= version < view.version
+        whole = epoch != self.epoch or not self.first_version <= version < view.version
         nodes = tuple(
             (n, b)
             for n, (b, at) in enumerate(zip(self._bytes, self._changed_at, strict=True))
             if whole or at > version
         )
         delta = ViewDelta(
-            view.version, whole, view.rank_to_node if whole else None, self._totals, nodes
+            self.epoch,
+            view.version,
+            whole,
+            view.rank_to_node if whole else None,
+            self._totals,
+            nodes,
         )
         return pickle.dumps(delta, _PROTOCOL)
 
 
 class ViewReader:
-    """The reading side, in a client: the newest view it rebuilt. Thread-safe; never goes
-    back to an older version."""
+    """The reading side, in a client: the newest view it rebuilt. Thread-safe; within one
+    sender's life it never goes back to an older version."""
 
     def __init__(self) -> None:
         self.view: ClusterView | None = None
+        self.epoch = NOTHING[0]
         self._lock = threading.Lock()
 
     @property
-    def version(self) -> int:
-        view = self.view
-        return view.version if view is not None else 0
+    def position(self) -> tuple[bytes, int]:
+        """(epoch, version) of the view held: what to ask a sender `since`."""
+        with self._lock:
+            view = self.view
+            return (self.epoch, view.version) if view is not None else NOTHING
 
-    def apply(self, data: bytes | None, have: int) -> ClusterView | None:
-        """The view after a sender's answer to `since(have)`; None when that answer is
+    def apply(self, data: bytes | None, asked: tuple[bytes, int]) -> ClusterView | None:
+        """The view after a sender's answer to `since(asked)`; None when that answer is
         relative to a view this reader no longer holds (another thread moved it on):
-        ask again from `version`."""
+        ask again from `position`."""
         delta: ViewDelta | None = None if data is None else pickle.loads(data)
         with self._lock:
             old = self.view
-            if delta is None or (old is not None and delta.version <= old.version):
+            if delta is None:  # `asked` is current: what it holds is that, or newer
                 if old is None:
                     raise ValueError("view delta: nothing sent and no view held")
+                return old
+            held = (self.epoch, old.version) if old is not None else NOTHING
+            if held[0] == delta.epoch and delta.version <= held[1]:
                 return old  # what it holds is as new or newer
-            if not delta.whole and (old is None or old.version != have):
+            if not delta.whole and held != asked:
                 return None
             if delta.whole:
                 assert delta.rank_to_node is not None
@@ -129,4 +149,5 @@ class ViewReader:
             self.view = ClusterView(
                 version=delta.version, rank_to_node=rank_to_node, nodes=tuple(nodes), **totals
             )
+            self.epoch = delta.epoch
             return self.view

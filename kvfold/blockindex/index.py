@@ -26,7 +26,6 @@ from itertools import islice, repeat
 from typing import TypeAlias
 
 import numpy as np
-import numpy.typing as npt
 
 from kvfold.blockindex.events import (
     GPU,
@@ -43,7 +42,6 @@ from kvfold.stats import Window
 from kvfold.worker.windows import window_manager
 
 Source: TypeAlias = tuple[str, int]  # (RANK, rank) or (HOST, node)
-IntArray = npt.NDArray[np.int64]
 
 
 class BlockIndex:
@@ -208,7 +206,9 @@ class BlockIndex:
         host = self.host[g]
         if not host:
             return Runs(tuple(gpu), tuple(gpu), tuple(masks), n)
-        G, T, M = [], [], []
+        gpu_runs: list[int] = []
+        total_runs: list[int] = []
+        classes: list[int] = []
         # the class with no GPU run (it holds something only if its host tier does),
         # then each class with GPU run gpu[k]; a class's walk stops at the first key
         # none of its host tiers hold
@@ -219,18 +219,18 @@ class BlockIndex:
                 ends, extended = walk(map(get, islice(ks, run, None), repeat(0)), ranks)
                 rest = ranks & ~extended[0]
                 if rest and run:
-                    G.append(run)
-                    T.append(run)
-                    M.append(rest)
+                    gpu_runs.append(run)
+                    total_runs.append(run)
+                    classes.append(rest)
                 for end, mask in zip(ends, disjoint(extended), strict=True):
-                    G.append(run)
-                    T.append(run + end)
-                    M.append(mask)
+                    gpu_runs.append(run)
+                    total_runs.append(run + end)
+                    classes.append(mask)
             elif run:
-                G.append(run)
-                T.append(run)
-                M.append(ranks)
-        return Runs(tuple(G), tuple(T), tuple(M), n)
+                gpu_runs.append(run)
+                total_runs.append(run)
+                classes.append(ranks)
+        return Runs(tuple(gpu_runs), tuple(total_runs), tuple(classes), n)
 
     def match(self, keys: Sequence[BlockHash], prompt_tokens: int) -> Match:
         """Per rank, the blocks of a prompt (its full-block `keys`, `prompt_tokens` long)

@@ -60,10 +60,12 @@ class Runs:
 
     @property
     def longest(self) -> int:
+        """The longest run any rank has, host included (blocks from the prompt's first)."""
         return max(self.total, default=0)
 
 
 def no_runs(world_size: int) -> Runs:
+    """No rank holds anything."""
     return Runs((), (), (), world_size)
 
 
@@ -132,7 +134,7 @@ class Match:
         held: Mapping[int, tuple[int, int]] | None = None,
     ) -> None:
         self._runs = runs if isinstance(runs, Runs) else None
-        self._arrays = None if isinstance(runs, Runs) else runs
+        self._arrays = None if isinstance(runs, Runs) else _read_only(runs)
         self._held = dict(held or {})
         self.world_size = runs.world_size if isinstance(runs, Runs) else len(runs[0])
 
@@ -155,7 +157,7 @@ class Match:
     def _base_arrays(self) -> tuple[IntArray, IntArray]:
         if self._arrays is None:
             assert self._runs is not None
-            self._arrays = self._runs.arrays()
+            self._arrays = _read_only(self._runs.arrays())
         return self._arrays
 
     def _with_held(self, which: int) -> IntArray:
@@ -164,14 +166,17 @@ class Match:
             out = out.copy()
             for rank, held in self._held.items():
                 out[rank] = held[which]
+            out.flags.writeable = False
         return out
 
     @property
     def gpu(self) -> IntArray:
+        """Per rank, the prompt's blocks (from its first) on the rank's GPU. Read-only."""
         return self._with_held(0)
 
     @property
     def total(self) -> IntArray:
+        """Per rank, `gpu` and the blocks its node's host tier holds right after. Read-only."""
         return self._with_held(1)
 
     def weighted(self, gpu_weight: float, total_weight: float) -> FloatArray:
@@ -193,3 +198,9 @@ class Match:
         else:
             longest = int(self._base_arrays()[1].max(initial=0))
         return max([longest, *(t for _, t in self._held.values())])
+
+
+def _read_only(arrays: tuple[IntArray, IntArray]) -> tuple[IntArray, IntArray]:
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays

@@ -74,14 +74,12 @@ class BlockPool:
         """`attach` each block (a run of prefix hits), in one pass."""
         refs = self.ref_counts
         evictable = self.evictable
-        revived = 0
         for b in blocks:
             r = refs[b]
             if r == 0:
                 del evictable[b]
-                revived += 1
+                self.num_used += 1
             refs[b] = r + 1
-        self.num_used += revived
 
     def take(self, n: int) -> list[int] | None:
         """Give out `n` blocks with ref_count 1, or None (nothing changed) if short."""

@@ -63,7 +63,9 @@ def extend_keys(
     hasher: Hasher, tokens: npt.NDArray[np.int64], tokens_per_block: int
 ) -> list[bytes]:
     """Keys of the full blocks in `tokens`, advancing `hasher` past them."""
-    data = np.ascontiguousarray(tokens, dtype="<i8").data.cast("B")  # a view: no copy
+    # the tokens' own bytes where they are contiguous little-endian int64 (as_token_array
+    # gives that for lists and int64 arrays): no copy
+    data = np.ascontiguousarray(tokens, dtype="<i8").data.cast("B")
     step = tokens_per_block * 8
     end = (len(tokens) // tokens_per_block) * step
     out: list[bytes] = []

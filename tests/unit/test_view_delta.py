@@ -1,11 +1,13 @@
 """Views sent as deltas (kvfold.aggregator.view_delta) against the views themselves.
 
 A real ClusterState (3 nodes, the last partial) takes node reports, nodes go stale and
-dead as time passes, and the aggregator restarts (a new state and sender, versions
-going on from a higher base). Two readers read at their own pace, and answers are also
-applied late, after the reader has moved on (two threads sharing one client). Every
-view a reader rebuilds must equal the view the aggregator had at that version, and a
-reader never goes back to an older version.
+dead as time passes, and the aggregator restarts (a new state and sender, its versions
+starting higher or, on a machine whose clock is behind, lower). Two readers read at their
+own pace, and answers are also applied late, after the reader has moved on, across
+restarts too (as when two threads share one client). Every view a reader rebuilds must
+equal the view that aggregator had at that version, and within one aggregator's life a
+reader never goes back to an older version. Then KVFoldClient.wait_for_version over a
+real sender (its Ray call the only seam).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvfold.aggregator.client import KVFoldClient
 from kvfold.aggregator.cluster_state import ClusterState
 from kvfold.aggregator.fold import fold_node
-from kvfold.aggregator.view_delta import ViewReader, ViewSender
+from kvfold.aggregator.view_delta import NOTHING, ViewReader, ViewSender
 from kvfold.codec import encode_node_report
 from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus
 from kvfold.topology import Topology
@@ -48,22 +51,26 @@ class ViewDeltas(RuleBasedStateMachine):
         self.sender = ViewSender()
         self.readers = [ViewReader(), ViewReader()]
         self.seqs = [0] * TOPO.num_nodes
-        self.history: dict[int, ClusterView] = {}  # every version served
-        self.held = [0, 0]  # the newest version each reader returned
-        self.pending: list[tuple[int, bytes | None, int]] = []  # answers not applied yet
+        self.history: dict[tuple[bytes, int], ClusterView] = {}  # every (epoch, version) served
+        self.held: list[tuple[bytes, int]] = [NOTHING, NOTHING]  # what each reader returned
+        self.pending: list[tuple[int, bytes | None, tuple[bytes, int]]] = []  # not applied yet
 
     def _serve(self) -> ClusterView:
         view = self.state.view(self.now)
         self.sender.update(view)
-        self.history[view.version] = view
+        self.history[(self.sender.epoch, view.version)] = view
         return view
 
     def _check(self, reader: int, got: ClusterView | None) -> None:
         if got is None:
             return
-        assert got == self.history[got.version]
-        assert got.version >= self.held[reader]
-        self.held[reader] = got.version
+        position = self.readers[reader].position
+        assert position[1] == got.version
+        assert got == self.history[position]
+        epoch, version = self.held[reader]
+        if epoch == position[0]:
+            assert got.version >= version
+        self.held[reader] = position
 
     @rule(node=st.integers(0, TOPO.num_nodes - 1), used=st.integers(0, 64))
     def report(self, node: int, used: int) -> None:
@@ -78,31 +85,31 @@ class ViewDeltas(RuleBasedStateMachine):
     def read(self, reader: int) -> None:
         view = self._serve()
         r = self.readers[reader]
-        have = r.version
-        got = r.apply(self.sender.since(have), have)
+        asked = r.position
+        got = r.apply(self.sender.since(asked), asked)
         assert got is not None and got == view  # nothing else moved it
         self._check(reader, got)
 
     @rule(reader=st.integers(0, 1))
     def ask_now_apply_later(self, reader: int) -> None:
         self._serve()
-        have = self.readers[reader].version
-        self.pending.append((reader, self.sender.since(have), have))
+        asked = self.readers[reader].position
+        self.pending.append((reader, self.sender.since(asked), asked))
 
     @precondition(lambda self: self.pending)
     @rule(i=st.integers(0, 3))
     def apply_late(self, i: int) -> None:
-        reader, data, have = self.pending.pop(i % len(self.pending))
-        self._check(reader, self.readers[reader].apply(data, have))
+        reader, data, asked = self.pending.pop(i % len(self.pending))
+        self._check(reader, self.readers[reader].apply(data, asked))
 
-    @rule(grow=st.integers(1, 50))
+    @rule(grow=st.integers(-4, 20))
     def restart_aggregator(self, grow: int) -> None:
-        """A new aggregator: its versions start above everything the old one served."""
-        base = max(self.history, default=1000) + grow
-        self.state = ClusterState(TOPO, (None,), 1.0, 2.0, version_base=base)
+        """A new aggregator: its versions start from its own clock's base, above what the
+        old one served or (a clock behind) below it."""
+        served = max((v for _, v in self.history), default=1000)
+        self.state = ClusterState(TOPO, (None,), 1.0, 2.0, version_base=max(1, served + grow))
         self.seqs = [0] * TOPO.num_nodes
         self.sender = ViewSender()
-        self.pending.clear()
 
     @invariant()
     def a_new_reader_gets_the_whole_view_and_a_current_one_nothing(self) -> None:
@@ -110,12 +117,72 @@ class ViewDeltas(RuleBasedStateMachine):
         if view is None:
             return
         reader = ViewReader()
-        whole = self.sender.since(reader.version)
+        whole = self.sender.since(NOTHING)
         assert whole is not None
-        reader.apply(whole, 0)
-        assert reader.view == view
-        assert self.sender.since(view.version) is None
+        assert reader.apply(whole, NOTHING) == view
+        assert self.sender.since(reader.position) is None
 
 
 TestViewDeltas = ViewDeltas.TestCase
-TestViewDeltas.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestViewDeltas.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+class _AggregatorSeam:
+    """KVFoldClient's Ray calls answered by a real ViewSender over a real ClusterState."""
+
+    def __init__(self) -> None:
+        self.state = ClusterState(TOPO, (None,), 1.0, 2.0, version_base=10)
+        self.sender = ViewSender()
+
+    def current(self) -> ClusterView:
+        view = self.state.view(0.0)
+        self.sender.update(view)
+        return view
+
+    def __call__(self, method: str, *args: object, timeout_s: float | None = None) -> object:
+        view = self.current()
+        if method == "view_since":
+            return self.sender.since(args[0])  # type: ignore[arg-type]
+        assert method == "wait_for_version"
+        version, _, position = args
+        if view.version <= version:  # type: ignore[operator]
+            return None  # timed out: nothing newer came
+        return self.sender.since(position)  # type: ignore[arg-type]
+
+
+def test_wait_for_version_returns_the_held_view_when_it_is_already_newer() -> None:
+    seam = _AggregatorSeam()
+    client = KVFoldClient.__new__(KVFoldClient)  # no Ray: only its reader and its calls
+    client._reader = ViewReader()
+    client._call = seam  # type: ignore[method-assign]
+    assert seam.state.receive(node_report(0, 1, 5), 0.0) == "accepted"
+    v = client.view()
+    assert v == seam.current()
+    older = v.version - 1
+    got = client.wait_for_version(older, timeout_s=0.1)  # this client already holds newer
+    assert got is not None and got.version > older and got == seam.current()
+    assert client.wait_for_version(v.version, timeout_s=0.1) is None  # nothing newer: timeout
+    assert seam.state.receive(node_report(1, 1, 9), 0.0) == "accepted"
+    got = client.wait_for_version(v.version, timeout_s=0.1)
+    assert got is not None and got == seam.current() and got.version > v.version
+
+
+def test_a_reader_of_a_restarted_aggregator_with_lower_versions_gets_the_whole_view() -> None:
+    """The new aggregator's clock is behind: its versions pass through the one the reader
+    holds from the old aggregator. Nodes it has not heard from yet must not keep what the
+    old one said about them."""
+    old = ClusterState(TOPO, (None,), 1.0, 2.0, version_base=100)
+    sender, reader = ViewSender(), ViewReader()
+    for node in range(TOPO.num_nodes):
+        assert old.receive(node_report(node, 1, 7), 0.0) == "accepted"
+        sender.update(old.view(0.0))
+    reader.apply(sender.since(NOTHING), NOTHING)
+    held = reader.position
+    new = ClusterState(TOPO, (None,), 1.0, 2.0, version_base=held[1] - 2)
+    restarted = ViewSender()
+    for seq in range(1, 6):  # only node 0 reports to the new aggregator
+        assert new.receive(node_report(0, seq, seq), 0.0) == "accepted"
+        restarted.update(new.view(0.0))
+    current = new.view(0.0)
+    assert restarted.first_version <= held[1] < current.version
+    assert reader.apply(restarted.since(held), held) == current
