@@ -92,9 +92,6 @@ def _incarnation(kv, rank: int) -> int | None:  # type: ignore[no-untyped-def]
         return None
 
 
-@pytest.mark.skipif(
-    not TRACE.exists(), reason=f"needs the shared trace at {TRACE} (beside the checkout; CI has it)"
-)
 def test_mooncake_replay_never_over_commits(kv, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from kvfold.cluster.replay import ReplayConfig, replay
     from kvfold.workload.traces import load_mooncake
@@ -116,19 +113,17 @@ def test_mooncake_replay_never_over_commits(kv, tmp_path) -> None:  # type: igno
     assert admitted == s["admitted"]
 
 
-@pytest.mark.skipif(
-    not TRACE.exists(), reason=f"needs the shared trace at {TRACE} (beside the checkout; CI has it)"
-)
 def test_a_replay_the_driver_cannot_keep_up_with_shows_gaps_and_counts_overruns(  # type: ignore[no-untyped-def]
     kv, tmp_path
 ) -> None:
     """A 1 ms step budget no driver meets and samples due every 0.01 trace s: every
     step overruns, and each stretch of trace time a step skipped is a gap."""
     from kvfold.cluster.replay import ReplayConfig, replay
-    from kvfold.workload.traces import load_mooncake
+    from kvfold.workload.requests import shared_prefix_workload
 
     cfg = ReplayConfig(time_scale=50.0, step_interval_s=0.001, sample_interval_s=0.01)
-    rec = replay(kv, load_mooncake(TRACE, limit=40), cfg)
+    workload = shared_prefix_workload(num_requests=40, duration_s=60.0, seed=3)
+    rec = replay(kv, workload, cfg)
     s = rec.summary()
     assert s["overcommits"] == 0 and s["completed"] == s["admitted"]
     assert s["driver_overruns"] == s["driver_steps"] > 0
@@ -139,9 +134,6 @@ def test_a_replay_the_driver_cannot_keep_up_with_shows_gaps_and_counts_overruns(
     rec.write_png(tmp_path / "gaps.png")
 
 
-@pytest.mark.skipif(
-    not TRACE.exists(), reason=f"needs the shared trace at {TRACE} (beside the checkout; CI has it)"
-)
 def test_four_schedulers_in_four_processes_share_the_ranks(kv) -> None:  # type: ignore[no-untyped-def]
     from kvfold.cluster.replay import ReplayConfig, replay
     from kvfold.workload.traces import load_mooncake

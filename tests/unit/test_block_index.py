@@ -32,7 +32,7 @@ from kvfold.topology import Topology
 from kvfold.worker.hashing import block_keys
 from tests.unit.test_admission import make_view
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-kv-events"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-kv-events"  # README there
 FIXTURE_FILES = (
     "batches-int-hashes.json",
     "batches-bytes-hashes.json",
@@ -41,10 +41,7 @@ FIXTURE_FILES = (
 
 
 def _steps(name: str) -> list[dict]:  # type: ignore[type-arg]
-    path = FIXTURES / name
-    if not path.exists():
-        pytest.skip(f"vLLM event fixtures not found at {FIXTURES} (the project's shared folder)")
-    return json.loads(path.read_text())["steps"]  # type: ignore[no-any-return]
+    return json.loads((FIXTURES / name).read_text())["steps"]  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("name", FIXTURE_FILES)
@@ -62,10 +59,7 @@ def test_vllm_batches_replay_to_what_vllm_held(name: str) -> None:
 
 
 def test_vllm_zmq_frames_carry_the_same_batches() -> None:
-    path = FIXTURES / "zmq-int-hashes.json"
-    if not path.exists():
-        pytest.skip(f"vLLM event fixtures not found at {FIXTURES}")
-    frames = json.loads(path.read_text())["sub_frames"]
+    frames = json.loads((FIXTURES / "zmq-int-hashes.json").read_text())["sub_frames"]
     steps = _steps("batches-int-hashes.json")
     for i, (_topic, seq, payload) in enumerate(frames):
         assert int(seq, 16) == i
