@@ -131,17 +131,21 @@ class VllmPool:
         than the prompts sent through it. A prompt needing more blocks than are free raises
         vLLM's ValueError.
         """
+        self._allocate_cache_free(self._request(tokens, cache_salt), [])
+
+    def _allocate_cache_free(self, request: _AnchorRequest, req_blocks: list[Any]) -> None:
+        """After the hits (`req_blocks`, held): allocate the rest, cache the full blocks,
+        free every block, tail first."""
         pool = self.block_pool
         block_size = self.block_size
-        request = self._request(tokens, cache_salt)
         num_tokens = request.num_tokens
         # SingleTypeKVCacheManager.allocate_new_blocks
-        req_blocks: list[Any] = []
         num_new_blocks = self._cdiv(num_tokens, block_size) - len(req_blocks)
         if num_new_blocks > 0:
             req_blocks.extend(pool.get_new_blocks(num_new_blocks))
-        # SingleTypeKVCacheManager.cache_blocks (full attention: block_mask None)
-        num_cached_blocks = 0
+        # SingleTypeKVCacheManager.cache_blocks (full attention: block_mask None); what the
+        # hits hold is cached already
+        num_cached_blocks = len(req_blocks) - max(num_new_blocks, 0)
         num_hashed_tokens = len(request.block_hashes) * pool.hash_block_size
         num_full_blocks = min(num_tokens, num_hashed_tokens) // block_size
         if num_cached_blocks < num_full_blocks:
@@ -188,32 +192,13 @@ class VllmPool:
         """A request's whole prefill as the scheduler runs it: hash, find the longest
         cached prefix, hold (touch) it, allocate the rest, cache the full blocks, free.
         Returns the number of hit blocks."""
-        pool = self.block_pool
-        block_size = self.block_size
         request = self._request(tokens, cache_salt)
-        num_tokens = request.num_tokens
-        hit_blocks = self._find_longest_cache_hit(request.block_hashes, num_tokens - 1)[0][0]
-        # SingleTypeKVCacheManager.add_local_computed_blocks + allocate_new_blocks
-        pool.touch(hit_blocks)
-        req_blocks: list[Any] = list(hit_blocks)
-        num_new_blocks = self._cdiv(num_tokens, block_size) - len(req_blocks)
-        if num_new_blocks > 0:
-            req_blocks.extend(pool.get_new_blocks(num_new_blocks))
-        # SingleTypeKVCacheManager.cache_blocks
-        num_cached_blocks = len(hit_blocks)
-        num_hashed_tokens = len(request.block_hashes) * pool.hash_block_size
-        num_full_blocks = min(num_tokens, num_hashed_tokens) // block_size
-        if num_cached_blocks < num_full_blocks:
-            pool.cache_full_blocks(
-                request=request,
-                blocks=req_blocks,
-                num_cached_blocks=num_cached_blocks,
-                num_full_blocks=num_full_blocks,
-                block_size=block_size,
-                kv_cache_group_id=self.kv_cache_group_id,
-                block_mask=None,
-            )
-        pool.free_blocks(reversed(self._trim_null_head(req_blocks)))
+        hit_blocks = self._find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[0][
+            0
+        ]
+        # SingleTypeKVCacheManager.add_local_computed_blocks: touch, then hold
+        self.block_pool.touch(hit_blocks)
+        self._allocate_cache_free(request, list(hit_blocks))
         return len(hit_blocks)
 
     def _find_longest_cache_hit(

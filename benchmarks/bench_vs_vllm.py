@@ -29,25 +29,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np
 from _report import info, report
 from _vllm_anchor import AnchorUnavailable, VllmPool
+from bench_block_pool import B, make
 
-from kvfold.worker import KVCacheConfig, PagedKVCache
+from kvfold.worker import PagedKVCache
 
-B = 16
 ROUNDS = 15
 TARGET = 0.67
-
-
-def kvfold_cache(num_blocks: int) -> PagedKVCache:
-    cfg = KVCacheConfig(
-        tokens_per_block=B,
-        num_blocks=num_blocks,
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=1,
-        dtype="float16",
-        device="cpu",
-    )
-    return PagedKVCache(cfg)
 
 
 def kvfold_request(cache: PagedKVCache) -> Callable[[list[int], str | None], None]:
@@ -99,7 +86,7 @@ def main() -> int:
 
     # fresh 1,000 blocks: every call a new salt, both pools of 2,000 blocks
     big = list(range(1_000 * B))
-    ours, theirs = kvfold_cache(2_000), VllmPool(2_000, B)
+    ours, theirs = make(2_000), VllmPool(2_000, B)
     run = kvfold_request(ours)
     ok &= compare(
         "fresh 1,000-block prompt",
@@ -110,7 +97,7 @@ def main() -> int:
 
     # cached 64 blocks (+1 token: every full block can be reused)
     p64 = list(range(64 * B + 1))
-    ours, theirs = kvfold_cache(2_000), VllmPool(2_000, B)
+    ours, theirs = make(2_000), VllmPool(2_000, B)
     run = kvfold_request(ours)
     run(p64, None)
     theirs.fresh(p64)
@@ -132,7 +119,7 @@ def main() -> int:
     picks = rng.integers(0, 16, n).tolist()
     fresh = rng.random(n) < 0.5
     seq = [(p64, f"m{i}") if fresh[i] else (hot[picks[i]], None) for i in range(n)]
-    ours, theirs = kvfold_cache(1_000), VllmPool(1_000, B)
+    ours, theirs = make(1_000), VllmPool(1_000, B)
     run = kvfold_request(ours)
     ok &= compare(
         "mix 50/50, 1,000-block pool",
