@@ -292,6 +292,24 @@ class HostStats:
 
 HOST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HostStats))
 _host_values = attrgetter(*HOST_FIELDS)
+NUM_HOST_GAUGES = 3  # total, used, evictable: the rest of HOST_FIELDS are counters
+HOST_COUNTER_FIELDS = HOST_FIELDS[NUM_HOST_GAUGES:]
+
+
+def host_counters(host: HostStats | None) -> tuple[int, ...]:
+    """The cumulative fields of a host tier's stats (zeros for no tier)."""
+    if host is None:
+        return (0,) * len(HOST_COUNTER_FIELDS)
+    return host.as_tuple()[NUM_HOST_GAUGES:]
+
+
+def with_host_counters(gauges: HostStats | None, counters: tuple[int, ...]) -> HostStats | None:
+    """`gauges`' gauges with `counters` as its counters; None when there is neither a tier
+    nor anything counted (a node whose tier is gone keeps showing what it counted)."""
+    if gauges is None and not any(counters):
+        return None
+    head = (0,) * NUM_HOST_GAUGES if gauges is None else gauges.as_tuple()[:NUM_HOST_GAUGES]
+    return HostStats(*head, *counters)
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,7 +135,7 @@ class ClusterView:
     rank_to_node: tuple[int, ...]  # the topology the view was folded on
     nodes: tuple[NodeUtilization, ...]  # every node, with its state (MISSING: never heard)
     gpu: Mapping[Window, BlockGauges]  # fresh ranks of fresh nodes
-    host: HostStats  # host tiers of fresh nodes, each once
+    host: HostStats  # gauges: fresh nodes' host tiers, each once; counters: every node's
     num_sequences_by_status: Mapping[SequenceStatus, int]  # fresh ranks of fresh nodes
     counters: IterationStats  # cumulative, every node whatever its state; never backwards
     built_at_unix_s: float = 0.0  # for display only; freshness never uses it

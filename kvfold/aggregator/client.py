@@ -15,9 +15,11 @@ import ray
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError
 
 from kvfold.aggregator.view_delta import ViewReader
-from kvfold.blockindex.feed import Cursor
-from kvfold.errors import AggregatorUnavailable
-from kvfold.naming import AGGREGATOR_NAME, DEFAULT_NAMESPACE
+from kvfold.blockindex.events import HOST, RANK, BlockHash
+from kvfold.blockindex.feed import Cursor, Replica
+from kvfold.blockindex.prompt_match import PromptMatch, match_prompt
+from kvfold.errors import AggregatorUnavailable, NodeUnavailable, RankUnavailable
+from kvfold.naming import AGGREGATOR_NAME, DEFAULT_NAMESPACE, node_actor_name, rank_actor_name
 from kvfold.view import ClusterView, RankSummary, SourceState
 
 
@@ -131,3 +133,81 @@ class KVFoldClient:
     def counts(self) -> dict[str, Any]:
         counts: dict[str, Any] = self._call("counts")
         return counts
+
+    # ------------------------------------------------------------ what is held
+
+    def held_keys(self, rank: int) -> dict[int, frozenset[BlockHash]]:
+        """The prefix keys `rank`'s GPU cache could reuse now, per window group (asked of
+        the rank itself). Raises RankUnavailable when it does not answer."""
+        name = rank_actor_name(self._check(rank, "rank"))
+        keys = self._ask_source(
+            name, "reusable_keys", RankUnavailable(rank, f"{name} did not answer")
+        )
+        return {int(g): frozenset(ks) for g, ks in keys.items() if ks}
+
+    def host_keys(self, node: int) -> dict[int, frozenset[BlockHash]]:
+        """The prefix keys `node`'s host tier holds now, per window group (asked of its
+        host-KV actor). Raises NodeUnavailable when it does not answer."""
+        name = node_actor_name(self._check(node, "node"))
+        keys = self._ask_source(name, "host_keys", NodeUnavailable(node, f"{name} did not answer"))
+        return {int(g): frozenset(ks) for g, ks in keys.items() if ks}
+
+    def indexed_keys(self, kind: str, source: int) -> dict[int, frozenset[BlockHash]]:
+        """What the aggregator's block index holds for one source, per window group:
+        kind "rank" (a rank's GPU) or "host" (a node's host tier)."""
+        if kind not in (RANK, HOST):
+            raise ValueError(f"kind must be {RANK!r} or {HOST!r}, got {kind!r}")
+        keys = self._call("block_keys", kind, self._check(source, kind))
+        return {int(g): frozenset(ks) for g, ks in keys.items() if ks}
+
+    def index(self) -> IndexReplica:
+        """A read-only replica of the cluster block index, brought up to date now; call
+        its `refresh()` to follow the index, `match(prompt_tokens)` to ask it."""
+        replica = IndexReplica(self)
+        replica.refresh()
+        return replica
+
+    def _check(self, i: int, what: str) -> int:
+        limit = self._limits().get(what)
+        if type(i) is not int or i < 0 or (limit is not None and i >= limit):
+            allowed = "a non-negative int" if limit is None else f"0..{limit - 1}"
+            raise ValueError(f"{what} must be {allowed}, got {i!r}")
+        return i
+
+    def _limits(self) -> dict[str, int]:
+        view = self._reader.view or self.view()
+        return {"rank": view.world_size, "node": view.num_nodes, HOST: view.num_nodes,
+                RANK: view.world_size}  # fmt: skip
+
+    def _ask_source(self, name: str, method: str, unavailable: Exception) -> Any:
+        try:
+            handle = ray.get_actor(name, namespace=self.namespace)
+            return ray.get(getattr(handle, method).remote(), timeout=self.timeout_s)
+        except (ValueError, RayActorError, GetTimeoutError) as e:
+            raise unavailable from e
+
+
+class IndexReplica:
+    """A controller's kind of copy of the cluster block index, for users and tools: it
+    follows the aggregator's op log (kvfold.blockindex.feed.Replica) and answers what a
+    prompt would find on each rank and node (kvfold.blockindex.prompt_match)."""
+
+    def __init__(self, client: KVFoldClient) -> None:
+        self._client = client
+        self._replica = Replica(list(client.view().rank_to_node))
+
+    def refresh(self) -> None:
+        """Take the ops the aggregator logged since this replica's last refresh."""
+        cursor, ops, whole = self._client.block_index_since(self._replica.cursor)
+        self._replica.take(cursor, ops, whole)
+
+    def keys(self, kind: str, source: int) -> dict[int, frozenset[BlockHash]]:
+        """What this replica holds for one source ("rank" or "host"), per window group."""
+        if kind not in (RANK, HOST):
+            raise ValueError(f"kind must be {RANK!r} or {HOST!r}, got {kind!r}")
+        return {g: frozenset(ks) for g, ks in self._replica.index.keys_of((kind, source)).items()}
+
+    def match(self, prompt_tokens: object, salt: str | bytes | None = None) -> PromptMatch:
+        """Per rank and node, what this replica says they hold of a prompt (token ids;
+        `salt`: the tenant's, as the ranks were given), in blocks from its first."""
+        return match_prompt(self._replica.index, prompt_tokens, salt)

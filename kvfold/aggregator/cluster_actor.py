@@ -15,14 +15,16 @@ from typing import Any
 
 import psutil
 import ray
+from ray.exceptions import RayError
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
 from kvfold.aggregator.cluster_state import ClusterState
 from kvfold.aggregator.receiver import ACCEPTED
 from kvfold.aggregator.view_delta import ViewSender
-from kvfold.blockindex.events import HOST, RANK, BlockHash, EventError, decode_envelope
+from kvfold.blockindex.events import RANK, BlockHash, EventError, decode_envelope
 from kvfold.blockindex.feed import IndexFeed
-from kvfold.blockindex.index import BlockIndex, Source
+from kvfold.blockindex.index import BlockIndex
+from kvfold.blockindex.liveness import sources_gone
 from kvfold.checks import is_int
 from kvfold.errors import ReportError
 from kvfold.naming import node_actor_name, rank_actor_name
@@ -68,13 +70,12 @@ class ClusterAggregator:
             version_base=time.time_ns() // 1000,  # keeps growing across restarts
         )
         self._carry_counters()
-        self._carried_version = self.state.version
         self.cond = threading.Condition()
         self._bytes_version = -1
         self._bytes = b""
         self.sender = ViewSender()  # views as deltas, per reader (kvfold.aggregator.view_delta)
         self._probe = Every(5 * report_interval_s)
-        self.admission: dict[str, dict[tuple[str, str], int]] = {}
+        self.carry_error: str | None = None  # why counters could not be handed on last
         self.ray_node_ids = list(ray_node_ids or [])  # where each kvfold node's actor lives
         self.metrics_address: tuple[str, int] | None = None
         if metrics_port is not None:
@@ -102,15 +103,13 @@ class ClusterAggregator:
 
         def refused() -> dict[tuple[str, str], int]:
             with self.cond:
+                self._hand_on()
                 return self.state.refused_totals()
 
         def admission() -> dict[tuple[str, str], int]:
             with self.cond:
-                total: dict[tuple[str, str], int] = {}
-                for counts in self.admission.values():
-                    for k, v in counts.items():
-                        total[k] = total.get(k, 0) + v
-                return total
+                self._hand_on()
+                return self.state.admission_totals()
 
         _, bound_host, bound_port = serve(ViewCollector(view, refused, admission), host, port)
         self.metrics_address = (bound_host, bound_port)
@@ -123,13 +122,13 @@ class ClusterAggregator:
 
     def report_admission(self, scheduler: str, counts: dict[str, int]) -> None:
         """A scheduler's cumulative decision counts, keyed 'outcome:reason'."""
-        parsed: dict[tuple[str, str], int] = {}
+        parsed: dict[str, int] = {}
         for key, value in list(counts.items())[:256]:
             outcome, _, reason = str(key).partition(":")
             if is_int(value) and value >= 0:
-                parsed[(outcome[:32], reason[:64])] = value
+                parsed[f"{outcome[:32]}:{reason[:64]}"] = value
         with self.cond:
-            self.admission[str(scheduler)[:128]] = parsed
+            self.state.report_admission(str(scheduler)[:128], parsed)
 
     def ping(self) -> int:
         return self.state.version
@@ -162,12 +161,27 @@ class ClusterAggregator:
         )
 
     def _refresh(self) -> ClusterView:
-        """Rebuild the view if anything changed; wake waiters on a new version. Holds cond."""
+        """The view a reader may see: rebuilt if anything changed, its counters handed on
+        first, waiters woken on a new version. Holds cond."""
         before = self.state.version
         view = self.state.view(time.monotonic(), time.time())
         if view.version != before:
+            self._hand_on()
             self.cond.notify_all()
         return view
+
+    def _hand_on(self) -> None:
+        """Keep the counters in Ray's GCS before anyone reads them, when they changed: a
+        restarted aggregator goes on from there, so it never publishes a counter below
+        what this one published (kvfold.aggregator.counter_ledger). Holds cond."""
+        carry = self.state.take_carry()
+        if carry is None:
+            return
+        try:
+            _internal_kv_put(CARRY_KEY, carry, overwrite=True, namespace=self.namespace)
+        except (RayError, ConnectionError) as e:  # the GCS is away: try again next change
+            self.state.ledger.carry_failed()
+            self.carry_error = str(e)[:300]
 
     def _view_bytes(self) -> bytes:
         view = self._refresh()
@@ -256,19 +270,20 @@ class ClusterAggregator:
             return {g: list(ks) for g, ks in self.blocks.index.keys_of((kind, source)).items()}
 
     def _resync(self) -> None:
-        """Drop dead sources from the index; ask out-of-sync sources for their keys."""
+        """Drop from the index every source the view holds not alive (kvfold.blockindex.
+        liveness); ask out-of-sync sources for their keys."""
         with self.cond:
             view = self._refresh()
-        dead: list[Source] = []
-        for node in view.nodes:
-            if node.state is SourceState.DEAD:
-                dead.append((HOST, node.node))
-            dead += [(RANK, r.rank) for r in node.ranks if r.state is SourceState.DEAD]
+            node_incarnations = dict(self.state.incarnations)
         with self.blocks_lock:
-            for source in dead:
-                if source in self.blocks.streams or source in self.blocks.index.held:
-                    self.blocks.drop(source)
-            wanted = [s for s in self.blocks.wanted() if s not in dead]
+            feed = self.blocks
+            sources = set(feed.streams) | set(feed.index.held)
+            gone = sources_gone(
+                view, node_incarnations, sources, {s: feed.life(s) for s in sources}
+            )
+            for source in gone:
+                feed.drop(source)
+            wanted = feed.wanted()
         asked = []
         for kind, i in wanted:
             name = rank_actor_name(i) if kind == RANK else node_actor_name(i)
@@ -305,18 +320,13 @@ class ClusterAggregator:
     def _tick(self) -> None:
         with self.cond:
             view = self._refresh()
-            carry = None
-            if view.version != self._carried_version:  # every tick that changed something
-                carry = self.state.carried_counters()
-                self._carried_version = view.version
-        if carry is not None:
-            _internal_kv_put(CARRY_KEY, carry, overwrite=True, namespace=self.namespace)
         if self._probe.due(time.monotonic()):
             self._mark_gone_nodes(view)
 
     def _carry_counters(self) -> None:
         """A restarted aggregator goes on from the counters its predecessor handed on
-        (kept in Ray's GCS, which outlives the actor)."""
+        (kept in Ray's GCS, which outlives the actor; `kvfold up` of a new deployment
+        clears them)."""
         data = _internal_kv_get(CARRY_KEY, namespace=self.namespace)
         if data:
             try:

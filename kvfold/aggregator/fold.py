@@ -19,11 +19,13 @@ from kvfold.stats import (
     RankReport,
     SequenceStatus,
     Window,
+    host_counters,
     num_valid,
     sum_deltas,
     sum_gauges,
     sum_hosts,
     sum_status_counts,
+    with_host_counters,
 )
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, NodeUtilization, RankSummary, SourceState
@@ -147,20 +149,22 @@ def fold_cluster(
     built_at_s: float = 0.0,
     built_at_unix_s: float = 0.0,
     node_last_report_s: Mapping[int, float] | None = None,
-    counters_base: Mapping[int, IterationStats] | None = None,
 ) -> ClusterView:
     """Fold node views into a ClusterView: one entry per node, each with the cluster's
     verdict on it (state, silence); a node never heard from is an empty entry.
 
     node_states[node] says which nodes count (default FRESH for a node with a view,
-    MISSING without). counters_base[node] holds counts carried over from a node actor's
-    earlier incarnations, so cluster counters never go backwards when it restarts.
+    MISSING without). Gauges count fresh nodes only; counters (the block counters and
+    the host tiers' moves) count every node whatever its state, so that they never go
+    backwards when a node goes stale or dies (a node's view holds every one of its lives'
+    counters when the aggregator's ledger stamped it: kvfold.aggregator.counter_ledger).
     """
     states, last_report = node_states or {}, node_last_report_s or {}
     nodes: list[NodeUtilization] = []
     gpu_maps: list[Mapping[Window, BlockGauges]] = []
-    counter_maps = [base.windows for base in (counters_base or {}).values()]
+    counter_maps: list[Mapping[Window, BlockDeltas]] = []
     hosts: list[HostStats | None] = []
+    host_counts: list[HostStats | None] = []
     status_maps: list[Mapping[SequenceStatus, int]] = []
     for node in range(topology.num_nodes):
         view = node_views.get(node)
@@ -173,6 +177,7 @@ def fold_cluster(
             continue
         nodes.append(_stamped(view, state, last_report.get(node, view.last_report_s)))
         counter_maps.append(view.counters.windows)
+        host_counts.append(view.host)
         if state is SourceState.FRESH:
             gpu_maps.append(view.gpu)
             hosts.append(view.host)
@@ -183,11 +188,17 @@ def fold_cluster(
         rank_to_node=tuple(topology.as_list()),
         nodes=tuple(nodes),
         gpu=sum_gauges(gpu_maps),
-        host=sum_hosts(hosts),
+        host=_cluster_host(sum_hosts(hosts), sum_hosts(host_counts)),
         num_sequences_by_status=sum_status_counts(status_maps),
         counters=IterationStats(sum_deltas(counter_maps)),
         built_at_unix_s=built_at_unix_s,
     )
+
+
+def _cluster_host(fresh: HostStats, every: HostStats) -> HostStats:
+    """Gauges of the fresh nodes' host tiers; counters of every node's."""
+    out = with_host_counters(fresh, host_counters(every))
+    return fresh if out is None else out
 
 
 _NODE_FIELDS = NodeUtilization.__slots__

@@ -84,6 +84,7 @@ class IndexFeed:
     def __init__(self, index: BlockIndex, log_size: int = 4096) -> None:
         self.index = index
         self.streams: dict[Source, _Stream] = {}
+        self._dropped: dict[Source, deque[int]] = {}  # the lives of dropped sources
         self.log: deque[Op] = deque(maxlen=log_size)
         self.epoch = secrets.randbits(62) | 1
         self.num_ops = 0  # ops appended so far; the log holds the last len(log) of them
@@ -116,12 +117,14 @@ class IndexFeed:
         self.index.check_source(source)
         st = self.streams.get(source)
         if st is None or st.incarnation != env.incarnation:
-            if st is not None and env.incarnation in st.retired:
+            retired = st.retired if st is not None else self._dropped.get(source, ())
+            if env.incarnation in retired:
                 return self._count("stale_incarnation")
             fresh = _Stream(env.incarnation)
+            fresh.retired.extend(retired)
             if st is not None:
-                fresh.retired.extend(st.retired)
                 fresh.retired.append(st.incarnation)
+            self._dropped.pop(source, None)
             self.streams[source] = st = fresh
             if source in self.index.held:
                 self._op(("drop", source))  # a new incarnation: the old one's keys are gone
@@ -181,10 +184,19 @@ class IndexFeed:
         st.kept = {s: e for s, e in st.kept.items() if s > st.seq} if not st.synced else {}
         return True
 
+    def life(self, source: Source) -> tuple[int, tuple[int, ...]] | None:
+        """(the incarnation a source's stream is in, the ones it retired), or None."""
+        st = self.streams.get(source)
+        return None if st is None else (st.incarnation, tuple(st.retired))
+
     def drop(self, source: Source) -> None:
-        """A dead or removed source: its entries leave the index; it starts over if it
-        comes back."""
-        self.streams.pop(source, None)
+        """A dead, removed or replaced source: its entries leave the index; it starts over
+        if it comes back (late batches of the lives it had are still ignored)."""
+        st = self.streams.pop(source, None)
+        if st is not None:
+            gone = deque(st.retired, maxlen=MAX_RETIRED)
+            gone.append(st.incarnation)
+            self._dropped[source] = gone
         if source in self.index.held:
             self._op(("drop", source))
             self.counts["dropped"] += 1

@@ -40,7 +40,9 @@ FRESH, STALE, DEAD = SourceState.FRESH, SourceState.STALE, SourceState.DEAD
 @pytest.fixture(scope="module")
 def deployment():  # type: ignore[no-untyped-def]
     # dead after 1.5 s of silence (15 intervals): a node actor's ~2.5 s restart passes through dead
-    with running(3, 2, 6, cache=CACHE, host_num_blocks=32, dead_after_s=1.5) as both:
+    with running(
+        3, 2, 6, cache=CACHE, host_num_blocks=32, dead_after_s=1.5, metrics_port=0
+    ) as both:
         yield both
 
 
@@ -329,11 +331,146 @@ def test_the_aggregator_dies_and_is_rebuilt(kv) -> None:  # type: ignore[no-unty
     record("aggregator dies", errors_seen=errors, first_error_s=t_err or 0.0, rebuilt_s=t_rebuilt)
 
 
+class CounterWatch:
+    """Every counter a reader can see, sampled from the view and from Prometheus while the
+    test works, until `stop()`; `backwards()` lists each counter that ever went back."""
+
+    def __init__(self, kv) -> None:  # type: ignore[no-untyped-def]
+        from kvfold.aggregator.client import KVFoldClient
+
+        self.client = KVFoldClient(namespace=kv.namespace, timeout_s=1.0)
+        self.samples: list[dict[object, float]] = []
+        self.scrapes = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        url = None
+        while not self._done.is_set():
+            sample: dict[object, float] = {}
+            with contextlib.suppress(AggregatorUnavailable):
+                view = self.client.view()
+                for n in view.nodes:
+                    for w, d in n.counters.windows.items():
+                        for f in BlockDeltas.__slots__:
+                            sample[("view node", n.node, w, f)] = getattr(d, f)
+                    if n.host is not None:
+                        sample[("view host", n.node)] = n.host.offloaded_blocks
+                for f in BlockDeltas.__slots__:
+                    sample[("view cluster", f)] = getattr(view.counters.total, f)
+                sample[("view cluster host",)] = view.host.offloaded_blocks
+                url = url or self.client.metrics_url()
+            if url is not None:
+                try:
+                    sample.update(prometheus_counters(url))
+                    self.scrapes += 1
+                except OSError:  # the aggregator restarting: on another port after
+                    url = None
+            if sample:
+                self.samples.append(sample)
+            self._done.wait(0.02)  # a sample every 20 ms until stopped
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def backwards(self) -> list[tuple[object, float, float]]:
+        high: dict[object, float] = {}
+        out = []
+        for sample in self.samples:
+            for name, value in sample.items():
+                if value < high.get(name, 0):
+                    out.append((name, high[name], value))
+                high[name] = max(high.get(name, 0), value)
+        return out
+
+
+def prometheus_counters(url: str) -> dict[object, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {
+        ("prometheus", s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.type == "counter"
+        for s in fam.samples
+        if s.name.endswith("_total")
+    }
+
+
+def test_counters_never_go_backwards_while_each_actor_kind_restarts(kv) -> None:  # type: ignore[no-untyped-def]
+    """Work runs on nodes 1 and 2 while a rank, a node actor and the aggregator are killed
+    (Ray restarts each); every counter in every view and scrape only ever grows."""
+    workers = [2, 3, 4, 5]
+    stop = threading.Event()
+    done = [0]
+
+    def work() -> None:  # prompts that share prefixes: allocations, reuse, evictions, offloads
+        rng = random.Random(5)
+        i = 0
+        while not stop.is_set():
+            r = kv.rank(workers[i % len(workers)])
+            prompt = list(range(rng.randrange(4) * 100, rng.randrange(4) * 100 + 40))
+            prompt += [rng.randrange(10_000, 20_000) for _ in range(rng.randrange(1, 60))]
+            with contextlib.suppress(RankUnavailable):
+                if r.add_sequence(f"mono{i}", prompt):
+                    r.free_sequence(f"mono{i}", report=True)
+                    done[0] += 1
+            i += 1
+
+    watch = CounterWatch(kv)
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    try:
+        wait_until(lambda: done[0] >= 20 and watch.scrapes >= 5, timeout_s=60)
+
+        def grows_past(n: int):  # type: ignore[no-untyped-def]
+            return lambda: done[0] >= n
+
+        # a rank
+        old = kv.rank(2).info()["incarnation"]
+        ray.kill(kv.rank_handles[2], no_restart=False)
+        wait_until(lambda: kv.view().rank_summary(2)[0].incarnation not in (0, old), timeout_s=60)
+        wait_until(grows_past(done[0] + 20), timeout_s=60)
+        # a node actor (its host tier and its ranks' counts start over)
+        ray.kill(kv.node(2), no_restart=False)
+        wait_until(lambda: answers(kv.node(2)), timeout_s=60)
+        wait_until(lambda: kv.view().node_states[2] is FRESH, timeout_s=60)
+        wait_until(grows_past(done[0] + 20), timeout_s=60)
+        # the aggregator (its counters go on from what it handed on)
+        version = kv.view().version
+        ray.kill(kv.aggregator, no_restart=False)
+        wait_until(lambda: answers(kv.aggregator), timeout_s=60)
+        seen = watch.scrapes
+        wait_until(
+            lambda: kv.view().version > version and all(s is FRESH for s in kv.view().node_states)
+            and watch.scrapes > seen + 5,
+            timeout_s=60,
+        )  # fmt: skip
+        wait_until(grows_past(done[0] + 20), timeout_s=60)
+    finally:
+        stop.set()
+        worker.join()
+        watch.stop()
+    assert len(watch.samples) > 50 and watch.scrapes > 10
+    assert watch.backwards() == []
+    record("counters through restarts", samples=len(watch.samples), scrapes=watch.scrapes)
+
+
 def test_a_node_vanishes(kv, cluster) -> None:  # type: ignore[no-untyped-def]
     head = cluster.nodes[0].node_id
     node = next(n for n in (2, 1, 0) if kv.ray_node_ids[n] != head)  # the head cannot go
     index = next(i for i, n in enumerate(cluster.nodes) if n.node_id == kv.ray_node_ids[node])
     gone = set(kv.topology.ranks_on(node))
+    held_prompt = list(range(3000, 3000 + 4 * 6 + 1))  # 6 full blocks, cached on its ranks
+    for r in gone:
+        assert kv.rank(r).add_sequence("held", held_prompt)
+        kv.rank(r).free_sequence("held", report=True)
+    wait_until(lambda: all(kv.client.indexed_keys("rank", r) for r in gone), timeout_s=30)
+    assert set(kv.client.index().match(held_prompt).gpu) >= gone
     t0 = time.monotonic()
     cluster.remove_node(index)
 
@@ -353,6 +490,12 @@ def test_a_node_vanishes(kv, cluster) -> None:  # type: ignore[no-untyped-def]
     except AssertionError:
         raise AssertionError(f"node {node} not dead: {last}") from None
     t_dead = time.monotonic() - t0
+    # what died leaves the index, and every replica of it: nothing of it is credited
+    wait_until(lambda: all(not kv.client.indexed_keys("rank", r) for r in gone), timeout_s=30)
+    replica = kv.client.index()
+    assert all(not replica.keys("rank", r) for r in gone)
+    assert not replica.keys("host", node)
+    assert not set(replica.match(held_prompt).with_host) & gone
     view = kv.view()
     assert view.host.num_blocks_total == 2 * 32  # the vanished node's tier is excluded
     assert not (gone & set(view.fresh_ranks))

@@ -15,7 +15,7 @@ import ray
 from ray.exceptions import RayError
 
 from kvfold.blockindex.events import HOST, RANK
-from kvfold.blockindex.feed import Replica
+from kvfold.errors import NodeUnavailable, RankUnavailable
 from kvfold.naming import AGGREGATOR_NAME
 from tests.integration.conftest import running, wait_until
 from tests.unit.builders import make_config
@@ -42,20 +42,15 @@ def kv():  # type: ignore[no-untyped-def]
         yield dep
 
 
-def _truth(kv: Any) -> dict[tuple[str, int], dict[int, set[bytes]]]:
-    """Every source's own keys, asked of the actors themselves."""
-    out = {}
-    for r, h in enumerate(kv.rank_handles):
-        out[(RANK, r)] = {g: set(k) for g, k in ray.get(h.reusable_keys.remote()).items() if k}
-    for n, h in enumerate(kv.node_handles):
-        out[(HOST, n)] = {g: set(k) for g, k in ray.get(h.host_keys.remote()).items() if k}
+def _truth(kv: Any) -> dict[tuple[str, int], dict[int, frozenset[bytes]]]:
+    """Every source's own keys, asked of the actors themselves (through the client)."""
+    out = {(RANK, r): kv.client.held_keys(r) for r in range(kv.topology.world_size)}
+    out.update({(HOST, n): kv.client.host_keys(n) for n in range(kv.topology.num_nodes)})
     return out
 
 
-def _indexed(kv: Any, source: tuple[str, int]) -> dict[int, set[bytes]]:
-    agg = ray.get_actor(AGGREGATOR_NAME, namespace=kv.namespace)
-    keys = ray.get(agg.block_keys.remote(*source))
-    return {g: set(k) for g, k in keys.items() if k}
+def _indexed(kv: Any, source: tuple[str, int]) -> dict[int, frozenset[bytes]]:
+    return kv.client.indexed_keys(*source)  # type: ignore[no-any-return]
 
 
 def _settle(kv: Any) -> None:
@@ -69,7 +64,7 @@ def _index_equals_truth(kv: Any) -> bool:
         _settle(kv)
         truth = _truth(kv)
         return all(_indexed(kv, s) == keys for s, keys in truth.items())
-    except RayError:  # an actor restarting: ask again
+    except (RayError, RankUnavailable, NodeUnavailable):  # an actor restarting: ask again
         return False
 
 
@@ -100,11 +95,32 @@ def test_index_equals_every_sources_keys_after_random_work(kv: Any) -> None:
     wait_until(lambda: _index_equals_truth(kv), timeout_s=60)
     truth = _truth(kv)
     assert any(truth[(HOST, n)] for n in range(2)), "the pools were meant to offload"
-    replica = Replica(list(kv.topology.as_list()))
-    cursor, ops, whole = kv.client.block_index_since(replica.cursor)
-    replica.take(cursor, ops, whole)
+    replica = kv.client.index()  # a read-only replica, kept from the op log
     for source, keys in truth.items():
-        assert replica.index.keys_of(source) == keys, source
+        assert replica.keys(*source) == keys, source
+
+
+def test_the_index_answers_what_a_prompt_finds_on_each_rank(kv: Any) -> None:
+    prompt = list(range(90_000, 90_000 + 5 * B + 1))  # 5 full blocks + 1 token, all new
+    before = kv.client.index()
+    assert before.match(prompt).longest == 0
+    assert kv.rank(0).add_sequence("probe", prompt)
+    kv.rank(0).free_sequence("probe")  # its 5 blocks stay cached, reusable
+    wait_until(lambda: _index_equals_truth(kv), timeout_s=60)
+    before.refresh()
+    m = before.match(prompt)
+    assert m.num_blocks == 5  # floor((21 - 1) / 4): the last token is always computed
+    assert m.gpu == {0: 5}  # rank 0 alone holds it, in both window groups
+    assert m.with_host[0] == 5
+    # and the rank itself reuses what the index said (its own counters, both groups)
+    before_counts = kv.rank(0).cumulative().windows
+    assert kv.rank(0).add_sequence("again", prompt)
+    after_counts = kv.rank(0).cumulative().windows
+    kv.rank(0).free_sequence("again")
+    for w, d in after_counts.items():
+        assert d.reused_blocks - before_counts[w].reused_blocks == m.gpu[0], w
+    with pytest.raises(ValueError, match=r"rank must be 0\.\.2, got 7"):
+        kv.client.held_keys(7)
 
 
 def test_index_heals_after_the_aggregator_restarts(kv: Any) -> None:

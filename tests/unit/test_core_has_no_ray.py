@@ -56,6 +56,7 @@ FLOORS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (2, ("kvfold.hosttier", "kvfold.view", "kvfold.codec", "kvfold.aggregator.fold",
          "kvfold.aggregator.freshness", "kvfold.aggregator.receiver",
          "kvfold.aggregator.node_state", "kvfold.aggregator.cluster_state",
+         "kvfold.aggregator.counter_ledger",
          "kvfold.blockindex")),
     (3, ("kvfold.admission", "kvfold.workload", "kvfold.metrics", "kvfold.display",
          "kvfold.live", "kvfold.kv_manager")),
