@@ -56,13 +56,15 @@ class RankClient:
         salt: str | None = None,
         report: bool = False,
         *,
-        max_new_tokens: int = 0,
+        max_new_tokens: int | None = None,
         policy: Policy | str = Policy.GUARANTEED_NO_EVICT,
         ticket: Ticket | None = None,
     ) -> bool:
         """Place a request (kvfold.worker.rank_actor.RankWorker.add_sequence): pass the
         tokens it may generate and its admission's policy and ticket. False: the rank
-        refused it (it would over-commit); nothing changed."""
+        refused it (it would over-commit); nothing changed. `max_new_tokens` is required
+        with a ticket under GUARANTEED_NO_EVICT (ValueError without it): the promise is
+        prompt + max_new_tokens."""
         return bool(
             self.call(
                 "add_sequence",

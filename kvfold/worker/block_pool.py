@@ -9,6 +9,19 @@ Every block is in exactly one of three states:
 `take(n)` hands out free blocks before cached ones, and cached ones least
 recently released first, dropping their keys. All operations are O(1) per
 block. The pool counts nothing about prompts; `PagedKVCache` does.
+
+A block taken is *new* (TensorRT-LLM's allocNewBlocks) when it has never held a
+token since the pool was built. `free_unkeyed` is a stack: released blocks go on
+top and are taken first, so the blocks never used are always its bottom
+`num_never_used` entries:
+
+    free_unkeyed = [ never used ... | released unkeyed (partial tails) ... ]  <- take
+                     num_never_used
+
+A block keeps having held tokens when it is freed, when its key is dropped to
+evict it, and when it is taken again: only a new pool has new blocks. With
+`records_tokens=False` (prefix reuse off) blocks record nothing, as TensorRT-LLM
+keys no block without block reuse, so every block taken is new.
 """
 
 from __future__ import annotations
@@ -27,8 +40,9 @@ EvictListener = Callable[[int, bytes], None]
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, records_tokens: bool = True) -> None:
         self.num_blocks = num_blocks
+        self.records_tokens = records_tokens  # False: every block taken counts as new
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_keys: list[bytes | None] = [None] * num_blocks
         self.key_to_block: dict[bytes, int] = {}
@@ -37,6 +51,8 @@ class BlockPool:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.num_used = 0
         self.evicted_total = 0  # cumulative: cached blocks whose key was dropped
+        self.num_never_used = num_blocks  # the bottom of free_unkeyed: never held a token
+        self.new_total = 0  # cumulative: blocks taken that had held no token (alloc_new)
         self.evict_listener: EvictListener | None = None
         self.journal: EventJournal | None = None  # block events: keys stored and dropped
         self.window: Window = None  # which window group this pool is (for its events)
@@ -82,13 +98,19 @@ class BlockPool:
             refs[b] = r + 1
 
     def take(self, n: int) -> list[int] | None:
-        """Give out `n` blocks with ref_count 1, or None (nothing changed) if short."""
+        """Give out `n` blocks with ref_count 1, or None (nothing changed) if short.
+        Counts in `new_total` those that had never held a token, in `evicted_total`
+        the cached ones whose key it dropped."""
         if n > len(self.free_unkeyed) + len(self.evictable):
             return None
         if n == 0:
             return []
         free = self.free_unkeyed
         k = min(n, len(free))
+        # the top len(free) - num_never_used blocks held tokens before; the rest never did
+        never_used = max(0, k - (len(free) - self.num_never_used))
+        self.num_never_used -= never_used
+        self.new_total += never_used if self.records_tokens else n
         out = free[-k:]
         del free[-k:]
         out.reverse()
@@ -187,6 +209,10 @@ class BlockPool:
         free = len(self.free_unkeyed)
         if used + cached + free != n:
             raise IntegrityError(f"used {used} + cached {cached} + free {free} != total {n}")
+        if not 0 <= self.num_never_used <= free:
+            raise IntegrityError(
+                f"never used {self.num_never_used} outside [0, free unkeyed {free}]"
+            )
         for b in self.free_unkeyed:
             if self.ref_counts[b] != 0 or self.block_keys[b] is not None:
                 raise IntegrityError(

@@ -9,75 +9,39 @@ are reused: the last token is always computed.
 
 Every public method either completes or raises before changing anything; lack of
 room returns False. Counters are interval deltas handed out by `commit_iteration()`
-(kvfold.worker.deltas), with TensorRT-LLM's meanings.
+(kvfold.worker.deltas), with TensorRT-LLM's meanings. This module changes the block
+tables (per window, through kvfold.worker.placement); what reads them (queries,
+stats, K/V reads and writes) is the base class, kvfold.worker.cache_reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
-import torch
 
 from kvfold.blockindex.journal import EventJournal
-from kvfold.stats import (
-    VALID_STATUSES,
-    BlockGauges,
-    IterationStats,
-    KVStats,
-    SequenceStatus,
-    Window,
-)
+from kvfold.stats import VALID_STATUSES, SequenceStatus, Window
 from kvfold.worker.block_pool import BlockPool
+from kvfold.worker.cache_reads import CacheReads
 from kvfold.worker.commitments import Policy, declared_end
 from kvfold.worker.config import KVCacheConfig
 from kvfold.worker.deltas import DeltaLedger
 from kvfold.worker.hashing import TokenIds, as_token_array, extend_keys, new_hasher
 from kvfold.worker.host_path import HostLink, HostTier
-from kvfold.worker.integrity import check_cache_integrity
+from kvfold.worker.placement import (
+    GrowthPlan,
+    PromptPlan,
+    apply_growth,
+    apply_prompt,
+    growth_fits,
+    plan_growth,
+    plan_prompt,
+)
 from kvfold.worker.sequence import SeqId, SeqState, check_seq_id
 from kvfold.worker.storage import KVStorage
-from kvfold.worker.trtllm import trtllm_stats
-from kvfold.worker.windows import Growth, WindowManager, window_manager
+from kvfold.worker.windows import WindowManager, window_manager
 
 
-@dataclass(slots=True)
-class _PromptPlan:
-    """What adding a prompt does to one window pool, decided before anything changes."""
-
-    window: Window
-    pool: BlockPool
-    first: int  # logical index of the first block the window holds
-    limit: int  # blocks [first, limit) may be reused or onboarded
-    hits: list[int]  # cached blocks reused, from `first` on
-    num_new: int  # blocks to take: onboarded into, or computed
-    pool_block_size: int  # tokens per block
-    payloads: list[np.ndarray] = field(default_factory=list)  # from the host tier
-
-
-@dataclass(slots=True)
-class _GrowthPlan:
-    """What appending tokens does to one window pool (kvfold.worker.windows.Growth)."""
-
-    window: Window
-    pool: BlockPool
-    growth: Growth
-
-
-def _covered(plan: _PromptPlan, num_blocks: int) -> int:
-    """How far into the prompt `num_blocks` blocks from the window's first cover it
-    (tokens; nothing when they are none)."""
-    return (plan.first + num_blocks) * plan.pool_block_size if num_blocks else 0
-
-
-def _parent(keys: list[bytes], i: int) -> bytes | None:
-    """The key of the block before block i (its block event's parent), if known."""
-    return keys[i - 1] if 0 < i <= len(keys) else None
-
-
-class PagedKVCache:
+class PagedKVCache(CacheReads):
     """Owns the block pools, the sequences' block tables and the K/V storage of one rank."""
 
     def __init__(self, config: KVCacheConfig, host_tier: HostTier | None = None) -> None:
@@ -86,7 +50,8 @@ class PagedKVCache:
         self.config = config
         self.block_size = config.tokens_per_block
         self.windows = config.windows
-        self.pools = {w: BlockPool(config.num_blocks_of(w)) for w in self.windows}
+        reuse = config.enable_prefix_reuse  # without it blocks record no tokens (block_pool)
+        self.pools = {w: BlockPool(config.num_blocks_of(w), reuse) for w in self.windows}
         self.managers: dict[Window, WindowManager] = {
             w: window_manager(w, self.block_size) for w in self.windows
         }
@@ -141,14 +106,17 @@ class PagedKVCache:
         token_ids: TokenIds,
         salt: str | bytes | None = None,
         *,
-        max_new_tokens: int = 0,
+        max_new_tokens: int | None = None,
         policy: Policy = Policy.GUARANTEED_NO_EVICT,
         count_refusal: bool = True,
     ) -> bool:
         """Allocate a prompt with prefix reuse; status becomes IN_PREFILL.
 
         The sequence is declared to reach prompt + max_new_tokens (GUARANTEED_NO_EVICT)
-        or prompt + one block (MAX_UTILIZATION). Returns False (nothing changed,
+        or prompt + one block (MAX_UTILIZATION). `max_new_tokens=None` (not declared)
+        declares the prompt alone, for direct uses; a placement made under an admission
+        decision goes through the rank (kvfold.worker.rank_actor), which requires it
+        where the promise depends on it. Returns False (nothing changed,
         counted in `num_refused`) when that would make some window's committed blocks
         exceed its total (`count_refusal=False`: an engine retrying its own preempted
         sequence, not a placement). A QUEUEING sequence may be added; any other existing id is
@@ -162,7 +130,8 @@ class PagedKVCache:
         if tokens.size == 0:
             raise ValueError(f"token_ids must not be empty (seq_id {seq_id!r})")
         B = self.block_size
-        end = declared_end(int(tokens.size), max_new_tokens, policy, B)
+        new_tokens = 0 if max_new_tokens is None else max_new_tokens
+        end = declared_end(int(tokens.size), new_tokens, policy, B)
         hasher = new_hasher(salt)
         keys = extend_keys(hasher, tokens, B) if self.config.enable_prefix_reuse else []
         plans = self._plan_prompt(int(tokens.size), keys, end)
@@ -180,9 +149,9 @@ class PagedKVCache:
             seq.keys = keys
             seq.tail = tokens[len(keys) * B :].tolist()
         for plan in plans:
-            self._apply_prompt(seq, plan)
-        seq.prompt_reused_tokens = min(_covered(p, len(p.hits)) for p in plans)
-        seq.prompt_covered_tokens = min(_covered(p, len(p.hits) + len(p.payloads)) for p in plans)
+            apply_prompt(seq, plan, self.ledger.pending[plan.window], self.storage)
+        seq.prompt_reused_tokens = min(p.covered(len(p.hits)) for p in plans)
+        seq.prompt_covered_tokens = min(p.covered(len(p.hits) + len(p.payloads)) for p in plans)
         L = seq.num_tokens
         self._set_commitment(seq, {w: m.commitment(L, end) for w, m in self.managers.items()})
         if old is not None:
@@ -192,30 +161,18 @@ class PagedKVCache:
         self._flush_offloads()
         return True
 
-    def _plan_prompt(self, length: int, keys: list[bytes], end: int) -> list[_PromptPlan] | None:
+    def _plan_prompt(self, length: int, keys: list[bytes], end: int) -> list[PromptPlan] | None:
         """Per window: the reusable run and the blocks to take; None if one lacks room,
         or if the sequence's commitment to `end` tokens would over-commit the window."""
         plans = []
         for w, pool in self.pools.items():
-            mgr = self.managers[w]
-            first, limit = mgr.first_block(length), min(mgr.reuse_limit(length), len(keys))
-            hits = pool.cached_run(keys[first:limit])
-            num_new = mgr.num_blocks(length) - len(hits)
-            if not pool.can_take(num_new, attaching=hits):
+            plan = plan_prompt(
+                w, pool, self.managers[w], length, keys, end, self.committed(w), self.block_size
+            )
+            if plan is None:
                 return None
-            grows = mgr.commitment(length, end)
-            if not mgr.counts_held:  # the blocks it makes used join the pool's count
-                grows += num_new + pool.num_unheld(hits)
-            if self.committed(w) + grows > pool.num_blocks:
-                return None
-            plans.append(_PromptPlan(w, pool, first, limit, hits, num_new, self.block_size))
+            plans.append(plan)
         return plans
-
-    def committed(self, window: Window) -> int:
-        """Blocks of `window` its sequences hold plus those they may still need to reach
-        their declared lengths (kvfold.worker.commitments); never above total."""
-        own = self.commit_sums[window]
-        return own if self.managers[window].counts_held else own + self.pools[window].num_used
 
     def _set_commitment(self, seq: SeqState, commit: dict[Window, int]) -> None:
         sums = self.commit_sums
@@ -224,35 +181,6 @@ class PagedKVCache:
         for w, n in commit.items():
             sums[w] += n
         seq.commit = commit
-
-    def _apply_prompt(self, seq: SeqState, plan: _PromptPlan) -> None:
-        """Attach the hits, take the rest, copy in what the host tier had, key the new
-        blocks. Cannot fail: room was checked by `_plan_prompt`."""
-        w, pool = plan.window, plan.pool
-        pool.attach_all(plan.hits)
-        new = self._take(w, pool, plan.num_new)
-        for block, payload in zip(new, plan.payloads, strict=False):
-            self.storage.write_block(w, block, payload)
-        start = plan.first + len(plan.hits)
-        pool.set_keys(new, seq.keys[start:], _parent(seq.keys, start))
-        seq.tables[w] = plan.hits + new
-        seq.first[w] = plan.first
-        c = self.ledger.pending[w]
-        c.reused_blocks += len(plan.hits)
-        c.onboarded_blocks += len(plan.payloads)
-        c.onboarded_bytes += sum(int(p.nbytes) for p in plan.payloads)
-        c.missed_blocks += plan.num_new - len(plan.payloads)
-
-    def _take(self, window: Window, pool: BlockPool, n: int) -> list[int]:
-        """Take `n` blocks (room already checked) and count them as TensorRT-LLM does:
-        all in alloc_total, those that held no cached content in alloc_new."""
-        evicted_before = pool.evicted_total
-        new = pool.take(n)
-        assert new is not None  # room was checked by the caller
-        c = self.ledger.pending[window]
-        c.alloc_total_blocks += n
-        c.alloc_new_blocks += n - (pool.evicted_total - evicted_before)
-        return new
 
     def append_tokens(self, seq_id: SeqId, token_ids: TokenIds) -> bool:
         """Grow a sequence by decoded tokens. False (nothing changed) when out of room.
@@ -286,7 +214,8 @@ class PagedKVCache:
             seq.tail = tail[len(new_keys) * self.block_size :].tolist()
             seq.keys.extend(new_keys)
         for plan in plans:
-            self._apply_growth(seq, plan, key_start)
+            counts = self.ledger.pending[plan.window]
+            self.released_refs[plan.window] += apply_growth(seq, plan, key_start, counts)
         seq.num_tokens = length
         seq.end = end
         self._set_commitment(seq, commit)
@@ -294,46 +223,27 @@ class PagedKVCache:
         return True
 
     def _fits_growth(
-        self, seq: SeqState, plans: list[_GrowthPlan], commit: dict[Window, int]
+        self, seq: SeqState, plans: list[GrowthPlan], commit: dict[Window, int]
     ) -> bool:
         """Whether growing past the declared end keeps every window's committed <= total."""
-        for plan in plans:
-            w, mgr = plan.window, self.managers[plan.window]
-            grows = commit[w] - seq.commit.get(w, 0)
-            if not mgr.counts_held:  # full attention: every new block joins used
-                grows += plan.growth.num_new
-            if grows > 0 and self.committed(w) + grows > plan.pool.num_blocks:
-                return False
-        return True
+        return all(
+            growth_fits(
+                p,
+                self.managers[p.window],
+                commit[p.window] - seq.commit.get(p.window, 0),
+                self.committed(p.window),
+            )
+            for p in plans
+        )
 
-    def _plan_growth(self, seq: SeqState, length: int) -> list[_GrowthPlan] | None:
+    def _plan_growth(self, seq: SeqState, length: int) -> list[GrowthPlan] | None:
         plans = []
         for w, pool in self.pools.items():
-            g = self.managers[w].growth(seq.first[w], seq.num_tokens, length)
-            if not pool.can_take(g.num_new, releasing=seq.tables[w][: g.num_release]):
+            plan = plan_growth(w, pool, self.managers[w], seq, length)
+            if plan is None:
                 return None
-            plans.append(_GrowthPlan(w, pool, g))
+            plans.append(plan)
         return plans
-
-    def _apply_growth(self, seq: SeqState, plan: _GrowthPlan, key_start: int) -> None:
-        """Key the held blocks that just became full, release what left the window, take
-        the new blocks (keyed when already full). Cannot fail: room was checked."""
-        w, pool, g, table = plan.window, plan.pool, plan.growth, seq.tables[plan.window]
-        first0 = seq.first[w]
-        # a block that fills up and leaves the window in the same growth is never keyed:
-        # its last positions were never written in this group (they are outside the
-        # window by the time the engine writes them), so its bytes are not the prefix's
-        for i in range(max(key_start, first0, g.first), min(len(seq.keys), first0 + len(table))):
-            pool.set_key(table[i - first0], seq.keys[i], _parent(seq.keys, i))
-        if g.num_release:
-            pool.release(table[: g.num_release])
-            self.released_refs[w] += g.num_release
-            del table[: g.num_release]
-        new = self._take(w, pool, g.num_new)
-        pool.set_keys(new, seq.keys[g.start :], _parent(seq.keys, g.start))
-        table.extend(new)
-        seq.first[w] = g.first
-        self.ledger.pending[w].gen_alloc_blocks += g.num_new
 
     def set_status(self, seq_id: SeqId, status: SequenceStatus) -> None:
         """Move a sequence between statuses.
@@ -370,108 +280,3 @@ class PagedKVCache:
             self.released_refs[w] += len(table)
         seq.tables = {}
         seq.first = {}
-
-    def _get(self, seq_id: SeqId) -> SeqState:
-        check_seq_id(seq_id)
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            raise ValueError(f"unknown seq_id {seq_id!r}")
-        return seq
-
-    # ----------------------------------------------------------------- queries
-
-    def has_sequence(self, seq_id: SeqId) -> bool:
-        return seq_id in self.seqs
-
-    def sequence_ids(self) -> list[SeqId]:
-        return list(self.seqs)
-
-    def status_of(self, seq_id: SeqId) -> SequenceStatus:
-        return self._get(seq_id).status
-
-    def num_tokens(self, seq_id: SeqId) -> int:
-        return self._get(seq_id).num_tokens
-
-    def block_table(self, seq_id: SeqId, window: Window = None) -> list[int]:
-        """The blocks `seq_id` holds in `window`'s pool, oldest first."""
-        seq = self._get(seq_id)
-        self._check_window(window)
-        return list(seq.tables.get(window, ()))
-
-    def first_block_index(self, seq_id: SeqId, window: Window = None) -> int:
-        """Logical index of block_table(seq_id, window)[0] (> 0 once a window slides)."""
-        self._check_window(window)
-        return self._get(seq_id).first.get(window, 0)
-
-    def block_keys(self, seq_id: SeqId) -> list[bytes]:
-        return list(self._get(seq_id).keys)
-
-    def prompt_reuse(self, seq_id: SeqId) -> tuple[int, int]:
-        """(tokens of its prompt reused on this GPU, tokens reused or onboarded from the
-        host tier): the leading part every window found; the rest was computed."""
-        seq = self._get(seq_id)
-        return seq.prompt_reused_tokens, seq.prompt_covered_tokens
-
-    def reusable_keys(self) -> dict[int, list[bytes]]:
-        """Per window group (its index in `windows`), every key a prompt could reuse
-        now: what the cluster block index should hold for this rank."""
-        return {g: list(self.pools[w].key_to_block) for g, w in enumerate(self.windows)}
-
-    def _check_window(self, window: Window) -> None:
-        if window not in self.pools:
-            raise ValueError(f"window {window!r} is not one of {list(self.windows)}")
-
-    def stats(self) -> KVStats:
-        """A snapshot: per-window block gauges and sequences by status. O(windows)."""
-        B = self.block_size
-        return KVStats(
-            windows={
-                w: BlockGauges(p.num_blocks, p.num_used, p.num_cached, B, self.committed(w))
-                for w, p in self.pools.items()
-            },
-            num_sequences_by_status=dict(self.status_counts),
-        )
-
-    def commit_iteration(self) -> IterationStats:
-        """Hand out the deltas since the previous commit and start a new interval."""
-        return self.ledger.commit()
-
-    def cumulative(self) -> IterationStats:
-        """Every delta since the cache was built, committed or pending."""
-        return self.ledger.cumulative()
-
-    def trtllm_stats(self) -> dict[str, Any]:
-        """Gauges and cumulative counters with TensorRT-LLM's kvCacheStats names and
-        meanings (kvfold.worker.trtllm), summed and per window."""
-        return trtllm_stats(self.stats(), self.cumulative())
-
-    # ----------------------------------------------------------------- storage
-
-    def write_kv(
-        self, seq_id: SeqId, layer: int, positions: Sequence[int], k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Write K and V ([len(positions), num_kv_heads, head_dim]) of one layer at token
-        positions the sequence holds in the layer's window group."""
-        seq = self._get(seq_id)
-        window = self.config.window_of_layer(layer)
-        pos = as_token_array(positions, "positions")
-        if pos.size and not seq.holds_blocks:
-            raise ValueError(f"seq_id {seq_id!r} holds no blocks (status {seq.status.name})")
-        held = (seq.tables.get(window, []), seq.first.get(window, 0), seq.num_tokens)
-        self.storage.write_tokens(window, layer, held, pos, k, v)
-
-    def gather_kv(self, seq_id: SeqId, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer for the tokens attention sees: [0, L) for full
-        attention, [max(0, L-W), L) for a window W. Shapes [n, heads, head_dim]."""
-        seq = self._get(seq_id)
-        window = self.config.window_of_layer(layer)
-        if not seq.holds_blocks:
-            raise ValueError(f"seq_id {seq_id!r} holds no blocks (status {seq.status.name})")
-        L = seq.num_tokens
-        base = seq.first[window] * self.block_size
-        start = self.managers[window].first_token(L)
-        return self.storage.gather(window, layer, seq.tables[window], start - base, L - base)
-
-    def check_integrity(self) -> None:
-        """Recount everything from the block tables; raise IntegrityError with the numbers."""
-        check_cache_integrity(self)

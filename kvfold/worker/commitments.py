@@ -39,6 +39,25 @@ def declared_end(
     return prompt_tokens + min(max_new_tokens, tokens_per_block)
 
 
+def declared_new_tokens(max_new_tokens: int | None, policy: Policy, ticketed: bool) -> int:
+    """The tokens a placement declares it may generate (`None`: not declared).
+
+    A placement made under an admission decision (`ticketed`: it carries the admitting
+    controller's ticket) with GUARANTEED_NO_EVICT promises prompt + max_new_tokens, so
+    it must declare them: omitting them is an error, never a promise of nothing. Any
+    other placement may omit them, which declares 0 (the prompt alone).
+    """
+    if max_new_tokens is None:
+        if ticketed and policy is Policy.GUARANTEED_NO_EVICT:
+            raise ValueError(
+                f"max_new_tokens is required with policy {policy.value!r} and a ticket (the "
+                "rank promises prompt + max_new_tokens), got None; pass an int >= 0"
+            )
+        return 0
+    check_int("max_new_tokens", max_new_tokens, 0)
+    return max_new_tokens
+
+
 def as_policy(value: Policy | str) -> Policy:
     """A Policy from itself or its value ("guaranteed_no_evict", "max_utilization")."""
     if isinstance(value, Policy):

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from kvfold.worker.cache import PagedKVCache
-from kvfold.worker.commitments import Policy
+from kvfold.worker.commitments import Policy, as_policy, declared_new_tokens
 from kvfold.worker.sequence import SeqId
-from kvfold.worker.tickets import Ticket
+from kvfold.worker.tickets import Ticket, as_ticket
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,25 @@ class EngineRequest:
     salt: str | None = None
     policy: Policy = Policy.GUARANTEED_NO_EVICT
     ticket: Ticket | None = None
+
+
+def as_engine_request(admit: tuple[Any, ...] | list[Any]) -> EngineRequest:
+    """An EngineRequest from an admit as it crosses Ray:
+    (seq_id, prompt, max_new_tokens, salt[, policy, ticket]). max_new_tokens may be None
+    (0) unless the admit is ticketed under GUARANTEED_NO_EVICT (kvfold.worker.commitments)."""
+    if len(admit) == 4:
+        seq_id, prompt, max_new, salt = admit
+        pol, stamp = Policy.GUARANTEED_NO_EVICT, None
+    elif len(admit) == 6:
+        seq_id, prompt, max_new, salt, policy, ticket = admit
+        pol, stamp = as_policy(policy), as_ticket(ticket)
+    else:
+        raise ValueError(
+            "an admit is (seq_id, prompt, max_new_tokens, salt[, policy, ticket]), "
+            f"got {len(admit)} fields"
+        )
+    new_tokens = declared_new_tokens(max_new, pol, ticketed=stamp is not None)
+    return EngineRequest(seq_id, prompt, new_tokens, salt, pol, stamp)
 
 
 class Prefill(NamedTuple):

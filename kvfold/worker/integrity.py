@@ -64,6 +64,7 @@ def check_cache_integrity(cache: CacheState) -> None:
                 expected[b] += 1
         pool.check_integrity(expected)
         _check_counters(w, cum, sum(expected), cache.released_refs[w])
+        _check_new_blocks(w, cum, pool)
         _check_commitments(cache, w, pool)
     counts = dict.fromkeys(SequenceStatus, 0)
     for seq in cache.seqs.values():
@@ -81,14 +82,32 @@ def _check_counters(w: Window, cumulative: IterationStats, refs: int, released: 
             f"window {w!r}: alloc_total {c.alloc_total_blocks} + reused {c.reused_blocks} "
             f"- released {released} = {balance} != held references {refs}"
         )
-    if c.alloc_new_blocks + c.evicted_blocks != c.alloc_total_blocks:
-        raise IntegrityError(
-            f"window {w!r}: alloc_new {c.alloc_new_blocks} + evicted {c.evicted_blocks} "
-            f"!= alloc_total {c.alloc_total_blocks}"
-        )
     if c.onboarded_blocks > c.alloc_total_blocks:
         raise IntegrityError(
             f"window {w!r}: onboarded {c.onboarded_blocks} > alloc_total {c.alloc_total_blocks}"
+        )
+
+
+def _check_new_blocks(w: Window, cumulative: IterationStats, pool: BlockPool) -> None:
+    """TensorRT-LLM's `getFreeBlock` counts a taken block as new when it holds no tokens;
+    here a block holds tokens from its first take on (kvfold.worker.block_pool)."""
+    c = cumulative.windows[w]
+    if pool.records_tokens:
+        held = pool.num_blocks - pool.num_never_used
+        if c.alloc_new_blocks != held:
+            raise IntegrityError(
+                f"window {w!r}: alloc_new {c.alloc_new_blocks} != blocks that have held "
+                f"tokens {held} (total {pool.num_blocks} - never used {pool.num_never_used})"
+            )
+    elif c.alloc_new_blocks != c.alloc_total_blocks:
+        raise IntegrityError(
+            f"window {w!r}: blocks record no tokens, but alloc_new {c.alloc_new_blocks} "
+            f"!= alloc_total {c.alloc_total_blocks}"
+        )
+    if c.alloc_new_blocks + c.evicted_blocks > c.alloc_total_blocks:
+        raise IntegrityError(
+            f"window {w!r}: alloc_new {c.alloc_new_blocks} + evicted {c.evicted_blocks} "
+            f"> alloc_total {c.alloc_total_blocks}"
         )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvfold.checks import check_int
 
@@ -44,6 +45,19 @@ class Ticket:
         check_int("ticket number", self.number, 1)
         if self.number > MAX_TICKET:
             raise ValueError(f"ticket number must be <= {MAX_TICKET}, got {self.number}")
+
+
+TicketLike = Ticket | tuple[str, int] | list[Any] | None
+"""A ticket as callers pass it: itself, a (controller id, number) pair, or none."""
+
+
+def as_ticket(value: TicketLike) -> Ticket | None:
+    """A Ticket from itself, None, or a (controller id, number) pair."""
+    if value is None or isinstance(value, Ticket):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return Ticket(value[0], value[1])
+    raise TypeError(f"ticket must be a Ticket or (controller id, number), got {value!r}")
 
 
 def check_controller_id(controller: object) -> str:

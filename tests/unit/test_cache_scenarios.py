@@ -143,10 +143,12 @@ def test_reuse_off_keys_nothing() -> None:
     assert cache.add_sequence("a", toks(0, 12))
     cache.free_sequence("a")
     cache.commit_iteration()
-    assert cache.add_sequence("b", toks(0, 12))
+    assert cache.add_sequence("b", toks(0, 12))  # takes a's 3 blocks again (top of free)
     d = cache.commit_iteration().total
+    # TensorRT-LLM keys no block without block reuse, so every take is new: 3, not 0
     assert (d.reused_blocks, d.missed_blocks, d.alloc_new_blocks) == (0, 3, 3)
     assert cache.stats().total.num_blocks_cached == 0
+    cache.check_integrity()
 
 
 def test_decode_blocks_become_reusable() -> None:
@@ -174,21 +176,72 @@ def test_eviction_counted_when_cached_blocks_are_reclaimed() -> None:
 
 def test_counters_mean_what_tensorrt_llm_means() -> None:
     """DESIGN 3.3: alloc_total = blocks taken from the free list (a cache hit is not
-    taken); alloc_new = of those, blocks that held no cached content."""
+    taken); alloc_new = of those, blocks that had never held a token (TensorRT-LLM's
+    `getFreeBlock`: a block whose unique tokens are empty)."""
     cache = make_cache(num_blocks=8)
-    assert cache.add_sequence("a", toks(0, 9))  # 3 blocks, 2 full ones keyed
-    cache.free_sequence("a")
+    assert cache.add_sequence("a", toks(0, 10))  # blocks 0, 1 full and keyed; 2 partial
+    cache.free_sequence("a")  # 0, 1 cached; 2 free (unkeyed), having held tokens 8, 9
     cache.commit_iteration()
-    assert cache.add_sequence("b", toks(0, 9))
+    assert cache.add_sequence("b", toks(0, 10))
     d = cache.commit_iteration().total
-    assert (d.reused_blocks, d.alloc_total_blocks, d.alloc_new_blocks) == (2, 1, 1)
-    cache.free_sequence("b")  # 2 cached blocks stay (the unkeyed partial block is free)
+    # reused floor((10 - 1) / 4) = 2; block 2 taken again: taken, not new (the old code: 1)
+    assert (d.reused_blocks, d.alloc_total_blocks, d.alloc_new_blocks) == (2, 1, 0)
+    cache.free_sequence("b")
     cache.commit_iteration()
     assert cache.add_sequence("big", toks(1000, 32))  # 8 blocks into an 8-block pool
     d = cache.commit_iteration().total
-    # 6 never-used blocks and 2 reclaimed from the cache: total 8, new 6, evicted 2
-    assert (d.alloc_total_blocks, d.alloc_new_blocks, d.evicted_blocks) == (8, 6, 2)
+    # 5 never used (3..7) + block 2 (free, used before) + 2 reclaimed from the cache:
+    # total 5 + 1 + 2 = 8, new 5, evicted 2 (the old code: new 8 - 2 = 6)
+    assert (d.alloc_total_blocks, d.alloc_new_blocks, d.evicted_blocks) == (8, 5, 2)
     cache.check_integrity()
+
+
+def test_a_freed_partial_tail_is_not_new_when_taken_again() -> None:
+    """Issue 22, example 1 (2 blocks of 4 tokens): a 6-token prompt, freed, then 6 other
+    tokens. TensorRT-LLM's getFreeBlock counts alloc_new = 2: block 0 keeps tokens 0-3
+    and block 1 token 4 (it keys L - 1 = 5 tokens), so neither is new the second time."""
+    cache = make_cache(num_blocks=2)
+    assert cache.add_sequence("a", toks(0, 6))  # block 0 full (keyed), block 1 holds 4, 5
+    cache.free_sequence("a")  # block 0 cached; block 1 free (unkeyed), not new
+    assert cache.add_sequence("b", toks(100, 6))  # takes block 1, then evicts block 0
+    d = cache.cumulative().total
+    # taken 2 + 2 = 4; new 2 + 0 = 2 (the old code counted block 1 again: 3); evicted 1
+    assert (d.alloc_total_blocks, d.alloc_new_blocks, d.evicted_blocks) == (4, 2, 1)
+    assert cache.trtllm_stats()["kvCacheStats"]["allocNewBlocks"] == 2
+    cache.check_integrity()
+
+
+def test_a_freed_decode_block_is_not_new_when_taken_again() -> None:
+    """Issue 22, example 2 (2 blocks of 4 tokens): a 4-token prompt decodes 2 tokens, is
+    freed, then 6 other tokens. TensorRT-LLM counts alloc_new = 2: on release it keys
+    L - 1 = 5 tokens, tokens 0-3 in block 0 and token 4 in block 1."""
+    cache = make_cache(num_blocks=2)
+    assert cache.add_sequence("a", toks(0, 4))  # block 0, full and keyed
+    assert cache.append_tokens("a", [50, 51])  # block 1 (gen_alloc), tokens 4, 5
+    cache.free_sequence("a")  # block 0 cached; block 1 free (unkeyed), not new
+    assert cache.add_sequence("b", toks(100, 6))  # takes block 1, then evicts block 0
+    d = cache.cumulative().total
+    # taken 1 + 1 + 2 = 4; new 1 + 1 + 0 = 2 (the old code: 1 + 1 + 1 = 3); evicted 1
+    assert (d.alloc_total_blocks, d.alloc_new_blocks, d.evicted_blocks) == (4, 2, 1)
+    assert d.gen_alloc_blocks == 1
+    cache.check_integrity()
+
+
+def test_only_a_new_pool_has_new_blocks() -> None:
+    """Evicting a block does not make it new again (TensorRT-LLM's freeLeafBlock unlinks
+    a block from the radix tree and keeps its tokens); a cache built afresh (a rank's
+    rebind) starts with every block new."""
+    cache = make_cache(num_blocks=2)
+    assert cache.add_sequence("a", toks(0, 8))  # 2 full blocks, keyed
+    cache.free_sequence("a")  # both cached
+    assert cache.add_sequence("b", toks(100, 8))  # evicts both
+    d = cache.cumulative().total
+    assert (d.alloc_total_blocks, d.alloc_new_blocks, d.evicted_blocks) == (4, 2, 2)  # 2 + 0
+    fresh = PagedKVCache(cache.config)
+    assert fresh.add_sequence("b", toks(100, 8))
+    assert fresh.cumulative().total.alloc_new_blocks == 2  # a new pool: both never used
+    cache.check_integrity()
+    fresh.check_integrity()
 
 
 def test_trtllm_stats_has_tensorrt_llms_names_and_meanings() -> None:
@@ -213,7 +266,7 @@ def test_trtllm_stats_has_tensorrt_llms_names_and_meanings() -> None:
         "usedNumBlocks": 4,
         "tokensPerBlock": 4,
         "allocTotalBlocks": 2 + 2,  # q took 2; r took 2 (onboarded into counts: taken)
-        "allocNewBlocks": 4,  # nothing was evicted on b
+        "allocNewBlocks": 2 + 2,  # every block b took had never held a token
         "reusedBlocks": 1 + (2 + 1),  # GPU hits + host onboards, as TensorRT-LLM counts them
         "missedBlocks": 1 + 1,  # q's block 1, r's partial last block
         "cacheHitRate": 4 / 6,

@@ -10,7 +10,10 @@ The model an engine would keep is the oracle:
   process sees it), and fails at random: an add then completes as a miss or returns
   False, never half-way.
 - Counters are checked per operation against their definitions (DESIGN 3.3), and
-  committed deltas summed must equal the cumulative counts.
+  committed deltas summed must equal the cumulative counts. alloc_new is checked
+  against an oracle of its own: per pool, the blocks that have ever held a token
+  (every block a table has held); TensorRT-LLM counts a taken block as new only
+  when it never did (and every take as new when prefix reuse is off).
 """
 
 from __future__ import annotations
@@ -89,6 +92,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.seqs: dict[int, tuple[int, str | None, list[int]]] = {}  # id -> (cache, salt, tokens)
         self.committed: list[dict[object, BlockDeltas]] = []
         self.key_to_prefix: dict[bytes, tuple[str | None, tuple[int, ...]]] = {}
+        # per cache, per window: every block some sequence's table has held (the oracle
+        # of "has held tokens"; blocks are only ever taken into a table)
+        self.ever_held: list[dict[object, set[int]]] = []
 
     def _learn_keys(self, sid: int) -> None:
         """Remember which (salt, tokens) each of the sequence's full-block keys names."""
@@ -139,6 +145,22 @@ class CacheMachine(RuleBasedStateMachine):
         self.host = CopyingHostTier(host_blocks, self._block_bytes) if host_blocks else None
         self.caches = [PagedKVCache(cfg, host_tier=self.host) for _ in range(2)]
         self.committed = [{w: BlockDeltas() for w in windows} for _ in self.caches]
+        self.ever_held = [{w: set() for w in windows} for _ in self.caches]
+
+    def _check_new_blocks(self, sid: int, w: object, d: BlockDeltas) -> None:
+        """The blocks this operation took that had never held a token are exactly the
+        ones the table holds now that the oracle never saw; learn them."""
+        cache_i = self.seqs[sid][0]
+        cache, seen = self.caches[cache_i], self.ever_held[cache_i][w]
+        table = set(cache.block_table(sid, w))  # type: ignore[arg-type]
+        never = table - seen
+        if cache.config.enable_prefix_reuse:
+            assert d.alloc_new_blocks == len(never), (w, d, sorted(never))
+        else:  # blocks record no tokens: every take is new
+            assert d.alloc_new_blocks == d.alloc_total_blocks
+        if d.alloc_total_blocks > d.alloc_new_blocks + d.evicted_blocks:
+            event("a free block that had held tokens was taken again")
+        seen |= table
 
     # ------------------------------------------------------------------ the engine's side
 
@@ -216,9 +238,11 @@ class CacheMachine(RuleBasedStateMachine):
             prompt_blocks = -(-L // B) - first
             # every prompt block in the window is reused, onboarded or computed, once
             assert d.reused_blocks + d.onboarded_blocks + d.missed_blocks == prompt_blocks
-            # TensorRT-LLM: reused blocks are not taken; taken = fresh + evicted
+            # TensorRT-LLM: reused blocks are not taken; taken = new + evicted + free
+            # blocks that held tokens before
             assert d.alloc_total_blocks == prompt_blocks - d.reused_blocks
-            assert d.alloc_new_blocks + d.evicted_blocks == d.alloc_total_blocks
+            assert d.alloc_new_blocks + d.evicted_blocks <= d.alloc_total_blocks
+            self._check_new_blocks(sid, w, d)
             assert d.gen_alloc_blocks == 0
             assert d.reused_blocks + d.onboarded_blocks <= max(0, (L - 1) // B - first)
             computed_from = (first + d.reused_blocks + d.onboarded_blocks) * B
@@ -260,7 +284,8 @@ class CacheMachine(RuleBasedStateMachine):
         for w in cache.windows:
             d = self._diff(after.windows[w], before.windows[w])
             assert d.alloc_total_blocks == d.gen_alloc_blocks
-            assert d.alloc_new_blocks + d.evicted_blocks == d.alloc_total_blocks
+            assert d.alloc_new_blocks + d.evicted_blocks <= d.alloc_total_blocks
+            self._check_new_blocks(sid, w, d)
             assert d.reused_blocks == d.missed_blocks == d.onboarded_blocks == 0
         L0 = len(tokens)
         tokens.extend(new)
@@ -307,6 +332,16 @@ class CacheMachine(RuleBasedStateMachine):
             cache.check_integrity()  # reads only: deltas accumulate across rules
             for g in cache.stats().windows.values():
                 assert g.num_blocks_used + g.num_blocks_cached <= g.num_blocks_total
+
+    @invariant()
+    def alloc_new_counts_each_block_once_on_its_first_take(self) -> None:
+        for cache, seen in zip(self.caches, self.ever_held, strict=True):
+            cum = cache.cumulative().windows
+            for w, blocks in seen.items():
+                if cache.config.enable_prefix_reuse:
+                    assert cum[w].alloc_new_blocks == len(blocks), (w, cum[w], sorted(blocks))
+                else:
+                    assert cum[w].alloc_new_blocks == cum[w].alloc_total_blocks
 
     @invariant()
     def the_host_got_exactly_the_evicted_blocks_bytes(self) -> None:
