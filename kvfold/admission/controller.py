@@ -26,13 +26,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kvfold.admission.policy import (
-    AdmissionPolicy,
-    AdmissionRequest,
-    Decision,
-    Outcome,
-    Policy,
-)
+from kvfold.admission.decision import AdmissionRequest, Decision, Outcome, Policy
+from kvfold.admission.policy import AdmissionPolicy
 from kvfold.admission.routing import Router, RoutingWeights, as_router
 from kvfold.blockindex.feed import NO_CURSOR, Cursor, Replica
 from kvfold.view import ClusterView

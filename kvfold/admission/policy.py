@@ -1,132 +1,47 @@
-"""Admission as a pure function of (view, this controller's unseen promises, request,
-now_s). No Ray. DESIGN §6; docs/admission.md says what is promised.
+"""AdmissionPolicy: one controller's reservations and decisions, as a pure function of
+(view, this controller's unseen promises, request, now_s). No Ray. DESIGN §6;
+docs/admission.md says what is promised.
 
-Blocks needed per window (B tokens per block, F the declared end):
-
-    GUARANTEED_NO_EVICT: F = prompt + max_new_tokens (it runs to the end without eviction)
-    MAX_UTILIZATION:     F = prompt + min(max_new_tokens, B)  (the prompt and one block)
-
-    full attention:  ceil(F / B)
-    window W:        the most blocks the window holds at once from the prompt to F,
-                     at most min(ceil(F / B), ceil(W / B) + 1) (kvfold.worker.windows)
-
-A rank's room in window w is what its last report left uncommitted, less what this
-controller promised it since:
+A rank's room in window w is what its last report left uncommitted (kvfold.admission.
+capacity), less the watermark and what this controller promised it since:
 
     room = total - committed - watermark_blocks - reserved
 
-`committed` is the rank's own count (held blocks plus what its sequences may still
-need, kvfold.worker.commitments); `reserved` holds only the admissions whose ticket
-the rank has not shown yet (kvfold.worker.tickets): a reservation is released the
-moment a view shows its ticket. With `num_controllers` controllers admitting into
-the same ranks, each promises only from its lease, room // num_controllers; a
-request larger than any lease may take a whole rank's room where this controller
-has nothing unseen (the rank's own check refuses a collision).
+`reserved` holds only the admissions whose ticket the rank has not shown yet
+(kvfold.worker.tickets): a reservation is released the moment a view shows its ticket.
+With `num_controllers` controllers admitting into the same ranks, each promises only
+from its lease, room // num_controllers; a request larger than any lease may take a
+whole rank's room where this controller has nothing unseen (the rank's own check
+refuses a collision).
 
-Outcomes, checked in this order:
-    QUEUE  no_fresh_capacity        no fresh rank at all (never an admit onto stale numbers)
-    REJECT exceeds_rank_capacity    no fresh rank could hold it at its full length, empty
-                                    (total - watermark_blocks; under either policy: a
-                                    request that can never finish is never admitted)
-    ADMIT  fits | fits_prefix       on the rank the router picks among those that fit
-                                    (kvfold.admission.routing; fits_prefix: it holds some
-                                    of the prompt, as far as the router knows)
-    QUEUE  insufficient_free_blocks fits a rank's total, not its room now
+The blocks a request needs and the outcomes, in the order they are checked, are in
+kvfold.admission.decision; which rank among those that fit, in kvfold.admission.routing.
 """
 
 from __future__ import annotations
 
-import enum
 import operator
 import os
 import secrets
 import socket
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
+from kvfold.admission.capacity import CapacityIndex
+from kvfold.admission.decision import AdmissionRequest, Decision, Outcome
 from kvfold.admission.reservations import ReservationBook
-from kvfold.admission.routing import (
-    Router,
-    RoutingWeights,
-    SentPrefixes,
-    lowest,
-    precise_cost,
-)
+from kvfold.admission.routing import RankChooser, Router, RoutingWeights
 from kvfold.blockindex.feed import Replica
 from kvfold.checks import check_int, check_positive
-from kvfold.stats import Window, window_sort_key
-from kvfold.view import ClusterView, SourceState
+from kvfold.stats import Window
+from kvfold.view import ClusterView
 from kvfold.worker.commitments import Policy, declared_end
 from kvfold.worker.tickets import MAX_CONTROLLER_ID_CHARS, Ticket, check_controller_id
-from kvfold.worker.windows import window_manager
 
 IntArray = npt.NDArray[np.int64]
-FRESH = SourceState.FRESH
 
-__all__ = [
-    "AdmissionPolicy",
-    "AdmissionRequest",
-    "Decision",
-    "Outcome",
-    "Policy",
-    "blocks_needed",
-    "new_controller_id",
-]
-
-
-class Outcome(enum.Enum):
-    ADMIT = "admit"
-    QUEUE = "queue"
-    REJECT = "reject"
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionRequest:
-    """What a scheduler asks about. prefix_keys: the prompt's full-block keys (optional)."""
-
-    request_id: str
-    prompt_tokens: int
-    max_new_tokens: int
-    prefix_keys: tuple[bytes, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.request_id, str) or not self.request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
-        for name in ("prompt_tokens", "max_new_tokens"):
-            check_int(name, getattr(self, name), 1 if name == "prompt_tokens" else 0)
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """What to do with a request, why, and on which view. An ADMIT names the rank and
-    carries what the scheduler passes to it with the request: the policy and the ticket."""
-
-    outcome: Outcome
-    reason: str
-    view_version: int
-    node: int | None = None
-    rank: int | None = None
-    blocks: dict[Window, int] = field(default_factory=dict)
-    ticket: Ticket | None = None
-    policy: Policy | None = None
-    prefix_blocks: int = 0  # prompt blocks the chosen rank holds, as the router knew it
-
-
-def blocks_needed(
-    prompt_tokens: int,
-    max_new_tokens: int,
-    windows: Sequence[Window],
-    tokens_per_block: int,
-    policy: Policy,
-) -> dict[Window, int]:
-    """The most blocks each window group holds at once while the request grows from its
-    prompt to its declared end (what the rank will count as its commitment)."""
-    end = declared_end(prompt_tokens, max_new_tokens, policy, tokens_per_block)
-    return {w: window_manager(w, tokens_per_block).peak_blocks(prompt_tokens, end) for w in windows}
+__all__ = ["AdmissionPolicy", "new_controller_id"]
 
 
 def new_controller_id(name: str = "") -> str:
@@ -134,57 +49,6 @@ def new_controller_id(name: str = "") -> str:
     reuses the ticket numbers its predecessor handed out."""
     base = name or f"{socket.gethostname()[:24]}-{os.getpid()}"
     return f"{base[: MAX_CONTROLLER_ID_CHARS - 9]}-{secrets.token_hex(4)}"
-
-
-class CapacityIndex:
-    """Per-rank capacity of one view as arrays, so a decision is a few vector ops.
-    Built in one pass over the ranks (a refresh at 1,024 ranks is on the hot path)."""
-
-    def __init__(self, view: ClusterView, controller_id: str) -> None:
-        self.version = view.version
-        self.world_size = n = view.world_size
-        self.rank_to_node = np.asarray(view.rank_to_node, dtype=np.int64)
-        rooms: dict[Window, list[int]] = {}  # total - max(committed, used), per window
-        totals: dict[Window, list[int]] = {}
-        fresh = [False] * n
-        tpb = 0
-        seen: dict[int, int] = {}  # this controller's highest ticket each rank has shown
-        for node in view.nodes:
-            node_fresh = node.state is FRESH
-            for r in node.ranks:
-                if r.tickets:
-                    t = r.tickets.get(controller_id)
-                    if t:
-                        seen[r.rank] = t
-                gpu = r.gpu
-                if not (node_fresh and gpu and r.state is FRESH):
-                    continue
-                rank = r.rank
-                fresh[rank] = True
-                for w, g in gpu.items():
-                    room = rooms.get(w)
-                    if room is None:
-                        room = rooms[w] = [0] * n
-                        totals[w] = [0] * n
-                        tpb = tpb or g.tokens_per_block
-                    held = g.num_blocks_committed
-                    if held < g.num_blocks_used:
-                        held = g.num_blocks_used
-                    room[rank] = g.num_blocks_total - held
-                    totals[w][rank] = g.num_blocks_total
-        self.windows: tuple[Window, ...] = tuple(sorted(rooms, key=window_sort_key))
-        self.col = {w: i for i, w in enumerate(self.windows)}
-        self.tokens_per_block = tpb
-        self.managers = [window_manager(w, tpb) for w in self.windows]
-        k = len(self.windows)
-        self.room: IntArray = np.array([rooms[w] for w in self.windows], dtype=np.int64)
-        self.total: IntArray = np.array([totals[w] for w in self.windows], dtype=np.int64)
-        self.room.shape = self.total.shape = (k, n)
-        self.fresh = np.array(fresh, dtype=bool)
-        self.any_fresh = any(fresh)
-        self.seen: IntArray = np.zeros(n, dtype=np.int64)
-        if seen:
-            self.seen[list(seen)] = list(seen.values())
 
 
 class AdmissionPolicy:
@@ -228,15 +92,20 @@ class AdmissionPolicy:
         self._capacity: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._min_fresh_capacity: list[int] = []
         self._committed0: IntArray = np.zeros(0, dtype=np.int64)  # first window, per rank
-        self._key_to_rank: OrderedDict[bytes, int] = OrderedDict()
-        self._affinity_keys = affinity_keys
-        self._rng = np.random.default_rng(list(self.controller_id.encode()))
         self.router = router
-        self.weights = weights or RoutingWeights()
-        self.blocks: Replica | None = None  # the cluster block index, for precise_prefix
-        # precise_prefix: prompts this controller sent that the index may not show yet
-        self.sent = SentPrefixes(self.weights.sent_ttl_s)
-        self._turn = -1  # round_robin: the last rank chosen
+        self.chooser = RankChooser(
+            router, weights or RoutingWeights(), self.controller_id.encode(), affinity_keys
+        )
+
+    @property
+    def blocks(self) -> Replica | None:
+        """The replica of the cluster block index precise_prefix routes by (the
+        controller keeps it up to date; None: routing without it)."""
+        return self.chooser.blocks
+
+    @blocks.setter
+    def blocks(self, replica: Replica | None) -> None:
+        self.chooser.blocks = replica
 
     @property
     def reservations(self) -> list[str]:
@@ -284,9 +153,12 @@ class AdmissionPolicy:
                 self._recount(self.index)
 
     def release(self, request_id: str) -> bool:
-        """Forget the promise for a request that will not reach its rank (cancelled,
-        refused). True if one was held; once the rank has shown its ticket the rank
-        counts the request itself, and this returns False."""
+        """Forget a request that will not reach its rank (cancelled, refused, lost with
+        its rank): its promise, if one is held, and the prompt the router counts as sent
+        there (so the rank is not credited with blocks it never got). True if a promise
+        was held; once the rank has shown its ticket the rank counts the request itself,
+        and this returns False."""
+        self.chooser.release(request_id)
         gone = self.book.remove(request_id)
         if gone is None:
             return False
@@ -348,7 +220,16 @@ class AdmissionPolicy:
             overflow = True
         if not fits.any():
             return Decision(Outcome.QUEUE, "insufficient_free_blocks", version, blocks=need)
-        rank, prefix = self._choose(request, fits, room, now_s, overflow)
+        rank, prefix = self.chooser.choose(
+            request,
+            fits,
+            room,
+            now_s,
+            idx.tokens_per_block,
+            self._committed0,
+            self.reserved,
+            overflow,
+        )
         self.last_ticket += 1
         self.book.add(request.request_id, rank, self.last_ticket, need, now_s)
         if single:
@@ -357,10 +238,7 @@ class AdmissionPolicy:
         else:
             self.reserved[:, rank] += need_col[:, 0]
             self._room[:, rank] -= need_col[:, 0]
-        if self.router is Router.APPROX_PREFIX:
-            self._remember(request.prefix_keys, rank)
-        elif self.router is Router.PRECISE_PREFIX:
-            self.sent.add(request.prefix_keys, rank, now_s)
+        self.chooser.sent_to(request, rank, now_s)
         return Decision(
             Outcome.ADMIT,
             "fits_prefix" if prefix else "fits",
@@ -382,66 +260,6 @@ class AdmissionPolicy:
         larger = np.any(self._lease(idx) < need_col, axis=0)
         mine = np.any(self.reserved != 0, axis=0)
         return np.where(larger & ~mine, whole, -1)
-
-    def _choose(
-        self,
-        request: AdmissionRequest,
-        fits: npt.NDArray[np.bool_],
-        room: IntArray,
-        now_s: float,
-        overflow: bool = False,
-    ) -> tuple[int, int]:
-        """The rank among those that fit, by the router (kvfold.admission.routing), and
-        the prompt blocks it holds as far as the router knows. Beyond a lease, any rank
-        that fits, at random: controllers that all overflow at once would otherwise all
-        pick the same rank."""
-        if overflow:
-            return int(self._rng.choice(np.flatnonzero(fits))), 0
-        router = self.router
-        blocks = self.blocks
-        if (
-            router is Router.PRECISE_PREFIX
-            and blocks is not None
-            and request.prefix_keys
-            and blocks.index.world_size == self.index.world_size  # type: ignore[union-attr]
-        ):
-            assert self.index is not None
-            match = blocks.index.match(request.prefix_keys, request.prompt_tokens)
-            B = self.index.tokens_per_block
-            match = self.sent.overlay(
-                match, request.prefix_keys, (request.prompt_tokens - 1) // B, now_s
-            )
-            prompt_blocks = -(-request.prompt_tokens // B)
-            cost = precise_cost(
-                match, prompt_blocks, self.weights, self._committed0, self.reserved[0]
-            )
-            rank = lowest(cost, fits, room)
-            return rank, match.of(rank)[1]
-        if router is Router.APPROX_PREFIX and request.prefix_keys:
-            best, best_len = -1, 0
-            for i, key in enumerate(request.prefix_keys):
-                r = self._key_to_rank.get(key)
-                if r is None:
-                    break
-                if fits[r] and i + 1 > best_len:
-                    best, best_len = r, i + 1
-            if best >= 0:
-                return best, best_len
-        if router is Router.ROUND_ROBIN:
-            order = np.flatnonzero(fits)
-            later = order[order > self._turn]
-            self._turn = int(later[0] if len(later) else order[0])
-            return self._turn, 0
-        slack = np.where(fits, room.min(axis=0), -1)
-        return int(slack.argmax()), 0
-
-    def _remember(self, keys: Sequence[bytes], rank: int) -> None:
-        table = self._key_to_rank
-        for k in keys:
-            table[k] = rank
-            table.move_to_end(k)
-        while len(table) > self._affinity_keys:
-            table.popitem(last=False)
 
     def promised(self, rank: int) -> dict[Window, int]:
         """Blocks this controller has promised `rank` that the rank has not shown yet."""

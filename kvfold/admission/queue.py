@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
-from kvfold.admission.policy import AdmissionRequest, Decision, Outcome
+from kvfold.admission.decision import AdmissionRequest, Decision, Outcome
 
 T = TypeVar("T")
 

@@ -21,7 +21,8 @@
     or so); a prompt this controller sent a moment ago is not there yet. So, as
     Dynamo's router does with its own decisions, the controller also counts the
     prompts it sent in the last `sent_ttl_s` as held by the rank it sent them to
-    (`SentPrefixes`), until the index can show them.
+    (kvfold.admission.sent), until the index can show them; a released request's
+    sending stops counting at once.
 
 Only the choice among ranks that fit is made here; whether a request fits, and what is
 promised, is the admission policy's (kvfold.admission.policy), whatever the router.
@@ -30,15 +31,16 @@ promised, is the admission policy's (kvfold.admission.policy), whatever the rout
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import islice, repeat, takewhile
-from operator import itemgetter
 
 import numpy as np
 import numpy.typing as npt
 
+from kvfold.admission.decision import AdmissionRequest
+from kvfold.admission.sent import SentPrefixes
+from kvfold.blockindex.feed import Replica
 from kvfold.blockindex.match import Match
 from kvfold.checks import check_positive
 
@@ -112,68 +114,95 @@ def lowest(cost: npt.NDArray[np.float64], fits: BoolArray, room: IntArray) -> in
     return int(ties[np.argmax(room[:, ties].min(axis=0))])
 
 
-class SentPrefixes:
-    """Prompts this controller sent in the last `ttl_s`: each key -> (the rank it was
-    sent to, the sending), the newest sending winning. A prompt's reusable blocks (all
-    but the last token's) count as held by that rank. Adding and looking up are C-level
-    passes over the keys; each key is expired once."""
+class RankChooser:
+    """One controller's router: what it remembers of where it sent prompts, and the choice
+    among the ranks that fit. Owned by AdmissionPolicy, which decides what fits and
+    holds the lock (through its controller); this only ever picks among `fits`."""
 
-    def __init__(self, ttl_s: float, max_sends: int = 100_000) -> None:
-        self.ttl_s = ttl_s
-        self.max_sends = max_sends
-        self._sent: dict[bytes, tuple[int, int]] = {}  # key -> (rank, sending no.)
-        self._sends: deque[tuple[float, tuple[int, int], Sequence[bytes]]] = deque()
-        self._no = 0
+    def __init__(
+        self,
+        router: Router,
+        weights: RoutingWeights,
+        seed: Sequence[int],
+        affinity_keys: int = 200_000,
+    ) -> None:
+        self.router = router
+        self.weights = weights
+        self.blocks: Replica | None = None  # the cluster block index, for precise_prefix
+        # precise_prefix: prompts this controller sent that the index may not show yet
+        self.sent = SentPrefixes(weights.sent_ttl_s)
+        self._key_to_rank: OrderedDict[bytes, int] = OrderedDict()  # approx_prefix, LRU
+        self._affinity_keys = affinity_keys
+        self._rng = np.random.default_rng(list(seed))
+        self._turn = -1  # round_robin: the last rank chosen
 
-    def add(self, keys: Sequence[bytes], rank: int, now_s: float) -> None:
-        if not keys:
-            return
-        self._no += 1
-        sending = (rank, self._no)
-        self._sent.update(zip(keys, repeat(sending)))
-        self._sends.append((now_s, sending, keys))
-        if len(self._sends) > self.max_sends:
-            self._expire(float("-inf"), len(self._sends) - self.max_sends)
+    def choose(
+        self,
+        request: AdmissionRequest,
+        fits: BoolArray,
+        room: IntArray,
+        now_s: float,
+        tokens_per_block: int,
+        committed: IntArray,
+        reserved: IntArray,
+        overflow: bool = False,
+    ) -> tuple[int, int]:
+        """The rank among those that fit, and the prompt blocks it holds as far as the
+        router knows. `room`: per window and rank (ties, least_loaded); precise_prefix's
+        active blocks are the first window's `committed` (per rank) and `reserved` (per
+        window and rank: what this controller promised since). Beyond a lease
+        (`overflow`), any rank that fits, at random: controllers that all overflow at
+        once would otherwise all pick the same rank."""
+        if overflow:
+            return int(self._rng.choice(np.flatnonzero(fits))), 0
+        router = self.router
+        blocks = self.blocks
+        keys = request.prefix_keys
+        if (
+            router is Router.PRECISE_PREFIX
+            and blocks is not None
+            and keys
+            and blocks.index.world_size == len(fits)
+        ):
+            P, B = request.prompt_tokens, tokens_per_block
+            match = blocks.index.match(keys, P)
+            match = self.sent.overlay(match, keys, (P - 1) // B, now_s)
+            cost = precise_cost(match, -(-P // B), self.weights, committed, reserved[0])
+            rank = lowest(cost, fits, room)
+            return rank, match.of(rank)[1]
+        if router is Router.APPROX_PREFIX and keys:
+            best, best_len = -1, 0
+            for i, key in enumerate(keys):
+                r = self._key_to_rank.get(key)
+                if r is None:
+                    break
+                if fits[r] and i + 1 > best_len:
+                    best, best_len = r, i + 1
+            if best >= 0:
+                return best, best_len
+        if router is Router.ROUND_ROBIN:
+            order = np.flatnonzero(fits)
+            later = order[order > self._turn]
+            self._turn = int(later[0] if len(later) else order[0])
+            return self._turn, 0
+        slack = np.where(fits, room.min(axis=0), -1)
+        return int(slack.argmax()), 0
 
-    def _expire(self, cutoff: float, at_least: int = 0) -> None:
-        sends, sent = self._sends, self._sent
-        while sends and (at_least > 0 or sends[0][0] < cutoff):
-            _, sending, keys = sends.popleft()
-            at_least -= 1
-            for k in keys:
-                if sent.get(k) is sending:  # not sent again since
-                    del sent[k]
+    def sent_to(self, request: AdmissionRequest, rank: int, now_s: float) -> None:
+        """The request was admitted to `rank`: remember where its prompt went."""
+        if self.router is Router.APPROX_PREFIX:
+            table = self._key_to_rank
+            for k in request.prefix_keys:
+                table[k] = rank
+                table.move_to_end(k)
+            while len(table) > self._affinity_keys:
+                table.popitem(last=False)
+        elif self.router is Router.PRECISE_PREFIX:
+            self.sent.add(request.request_id, request.prefix_keys, rank, now_s)
 
-    def overlay(self, match: Match, keys: Sequence[bytes], reusable: int, now_s: float) -> Match:
-        """`match`, with the rank the prompt's first block was sent to holding at least the
-        run sent there (capped at the `reusable` blocks: all but the last token's)."""
-        self._expire(now_s - self.ttl_s)
-        if not self._sent or not keys or reusable <= 0:
-            return match
-        first = self._sent.get(keys[0])
-        if first is None:
-            return match
-        rank = first[0]
-        gpu = match.of(rank)[0]
-        if gpu >= reusable:
-            return match
-        run = _leading_run(list(map(self._sent.get, keys[:reusable], repeat(_UNSENT))), rank)
-        if run <= gpu:
-            return match
-        return match.with_held(rank, run, run)
-
-
-_UNSENT = (-1, 0)  # a key no kept sending holds
-
-
-def _leading_run(sent: list[tuple[int, int]], rank: int) -> int:
-    """How many leading entries are sendings to `rank`. A prompt's keys are chained, so
-    the newest sending's keys usually come in a row from the first: counted at C speed.
-    Otherwise (or past it) one C-level pass compares ranks; linear either way."""
-    first = sent[0] if sent else _UNSENT
-    if first[0] != rank:
-        return 0
-    n = sent.count(first)
-    if sent[:n].count(first) != n:  # not all in a row: walk from the start
-        n = 0
-    return n + len(list(takewhile(rank.__eq__, map(itemgetter(0), islice(sent, n, None)))))
+    def release(self, request_id: str) -> None:
+        """The request will not reach its rank: its prompt no longer counts as sent there
+        (precise_prefix; approx_prefix's table is a long-lived memory of keys, not of
+        requests, and keeps it)."""
+        if self.router is Router.PRECISE_PREFIX:
+            self.sent.release(request_id)

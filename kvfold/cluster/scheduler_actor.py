@@ -13,29 +13,20 @@ from typing import Any
 
 import ray
 
-from kvfold.admission import AdmissionController, AdmissionRequest, Decision, Policy
+from kvfold.admission import AdmissionRequest, Decision, Policy, Router
+from kvfold.admission.settings import SENT_TTL_S, ControllerSettings, settings_for_controllers
 from kvfold.aggregator.client import KVFoldClient
 from kvfold.workload.requests import TraceRequest
 from kvfold.workload.scheduler import ReplayScheduler, SchedulerSettings, StepOutcome
 
 
 class ControllerActor:
-    def __init__(
-        self,
-        namespace: str,
-        policy: Policy,
-        num_controllers: int,
-        watermark_blocks: int = 0,
-        refresh_interval_s: float = 0.05,
-    ) -> None:
+    """An AdmissionController built from its settings (checked by the caller, before
+    the actor was made), with its own client to the aggregator."""
+
+    def __init__(self, namespace: str, settings: ControllerSettings) -> None:
         self.client = KVFoldClient(namespace=namespace)
-        self.controller = AdmissionController(
-            self.client,
-            policy=policy,
-            watermark_blocks=watermark_blocks,
-            refresh_interval_s=refresh_interval_s,
-            num_controllers=num_controllers,
-        )
+        self.controller = settings.build(self.client)
 
     def controller_id(self) -> str:
         return self.controller.controller_id
@@ -54,6 +45,8 @@ class ControllerActor:
             "settled": p.settled,
             "expired": p.expired,
             "view_error": self.controller.view_error,
+            "router": self.controller.router.value,
+            "sent_ttl_s": p.chooser.weights.sent_ttl_s,
         }
 
 
@@ -67,14 +60,35 @@ def _beside_the_driver() -> Any:
 
 
 def start_controllers(
-    namespace: str, n: int, policy: Policy = Policy.GUARANTEED_NO_EVICT, **kwargs: Any
+    namespace: str,
+    n: int,
+    policy: Policy = Policy.GUARANTEED_NO_EVICT,
+    *,
+    router: Router | str | None = None,
+    sent_ttl_s: float = SENT_TTL_S,
+    controller_ids: Sequence[str] | None = None,
+    watermark_blocks: int = 0,
+    refresh_interval_s: float = 0.05,
 ) -> list[Any]:
     """`n` ControllerActors sharing the ranks (each told there are `n`), each in its
-    own worker process."""
+    own worker process, up when this returns. `router`: a Router or its name (None:
+    precise_prefix, by the cluster block index); `sent_ttl_s`: how long a prompt sent
+    counts as held before the index shows it; `controller_ids`: None (each makes a new
+    one), or `n` distinct ids no controller has used with these ranks before. Every
+    argument is checked (ValueError, TypeError) before any Ray call."""
+    settings = settings_for_controllers(
+        n,
+        policy,
+        router=router,
+        sent_ttl_s=sent_ttl_s,
+        controller_ids=controller_ids,
+        watermark_blocks=watermark_blocks,
+        refresh_interval_s=refresh_interval_s,
+    )
     cls: Any = ray.remote(num_cpus=0, max_restarts=0)(ControllerActor).options(
         scheduling_strategy=_beside_the_driver()
     )
-    actors = [cls.remote(namespace, policy, n, **kwargs) for _ in range(n)]
+    actors = [cls.remote(namespace, s) for s in settings]
     ray.get([a.controller_id.remote() for a in actors])
     return actors
 

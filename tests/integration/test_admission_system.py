@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvfold.admission import AdmissionRequest, Outcome, Policy
+from kvfold.admission import AdmissionRequest, Outcome, Policy, new_controller_id
 from tests.integration.conftest import running
 from tests.unit.builders import make_config
 
@@ -220,10 +220,20 @@ def test_admissions_keep_their_promises_through_the_running_system(
 
     from kvfold.cluster.scheduler_actor import start_controllers
 
+    ids = [new_controller_id(f"model-{i}") for i in range(num_controllers)]  # new each run
     ctls = start_controllers(
-        kv.settings.namespace, num_controllers, policy, refresh_interval_s=0.01
+        kv.settings.namespace,
+        num_controllers,
+        policy,
+        router="precise_prefix",
+        sent_ttl_s=0.5,
+        controller_ids=ids,
+        refresh_interval_s=0.01,
     )
     try:
+        assert ray.get([c.controller_id.remote() for c in ctls]) == ids
+        counts = ray.get([c.counts.remote() for c in ctls])
+        assert {(c["router"], c["sent_ttl_s"]) for c in counts} == {("precise_prefix", 0.5)}
         run = Run(kv, ctls, policy, seed=1000 * num_controllers + len(policy.value))
         run.play(steps=160)
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
 from kvfold.admission import (
@@ -12,12 +13,15 @@ from kvfold.admission import (
     FifoAdmissionQueue,
     Outcome,
     Policy,
+    Router,
     blocks_needed,
 )
+from kvfold.admission.settings import ControllerSettings, settings_for_controllers
 from kvfold.aggregator.fold import RankRecord, fold_cluster, fold_node
 from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
+from kvfold.worker.hashing import block_keys
 
 GNE, MAXU = Policy.GUARANTEED_NO_EVICT, Policy.MAX_UTILIZATION
 
@@ -203,6 +207,40 @@ def test_prefix_affinity_prefers_the_rank_that_holds_the_prefix() -> None:
     assert other.rank != 0
 
 
+def test_a_released_admission_is_not_a_prefix_holder() -> None:
+    """precise_prefix, with an index that knows nothing: A goes to rank 0 and is released,
+    never placed; rank 0 then fills. B, with A's prompt, must not follow A there."""
+    topo = Topology(2, 2)
+    views = [make_view(topo, total=100)]
+    ctl = AdmissionController(
+        lambda: views[-1],
+        router="precise_prefix",
+        index_source=lambda cursor: (cursor, [], False),  # no rank holds anything
+        clock=lambda: 0.0,  # within the sent TTL throughout
+    )
+    keys = tuple(block_keys(np.arange(33), 4))  # 8 full blocks of 4 tokens, and one token
+    a = ctl.decide(AdmissionRequest("a", 33, 1, keys))
+    assert (a.outcome, a.rank, a.prefix_blocks) == (Outcome.ADMIT, 0, 0)  # a tie: rank 0
+    assert ctl.release("a")
+    views.append(make_view(topo, used={0: 30}, version=2))
+    ctl.refresh(force=True)
+    # cost = 4 x prefill blocks + active blocks, 9 prompt blocks (ceil(33 / 4)):
+    #   rank 0: 4 x 9 + 30 + 9 = 75; rank 1: 4 x 9 + 0 + 9 = 45
+    #   (rank 0 credited with A's 8 blocks: 4 x 1 + 30 + 1 = 35, and B would go there)
+    b = ctl.decide(AdmissionRequest("b", 33, 1, keys))
+    assert (b.rank, b.reason, b.prefix_blocks) == (1, "fits", 0)
+    # C follows B's sending: rank 1: 4 x 1 + (0 + 9 promised) + 1 = 14 against 75
+    c = ctl.decide(AdmissionRequest("c", 33, 1, keys))
+    assert (c.rank, c.reason, c.prefix_blocks) == (1, "fits_prefix", 8)
+    assert ctl.release("b")  # C sent the same keys since: they still count, for C
+    d = ctl.decide(AdmissionRequest("d", 33, 1, keys))
+    assert (d.rank, d.reason, d.prefix_blocks) == (1, "fits_prefix", 8)
+    assert ctl.release("d") and ctl.release("c")
+    e = ctl.decide(AdmissionRequest("e", 33, 1, keys))
+    assert (e.rank, e.reason, e.prefix_blocks) == (1, "fits", 0)  # 45 against 75, nothing held
+    assert len(ctl.policy.chooser.sent) == 8  # E's own sending
+
+
 def test_fifo_queue_stops_at_the_first_queue_and_drops_rejects() -> None:
     topo = Topology(1, 1)
     view = make_view(topo, total=10)
@@ -233,6 +271,68 @@ def test_bad_requests_and_arguments() -> None:
         AdmissionController(lambda: None, num_controllers=0)
     with pytest.raises(ValueError, match="controller id"):
         AdmissionController(lambda: None, controller_id="x" * 65)
+
+
+class IndexedViews:
+    """A view source that also serves the cluster block index (KVFoldClient's seams),
+    an index in which no rank holds anything."""
+
+    def __init__(self, view: ClusterView) -> None:
+        self._view = view
+
+    def view(self) -> ClusterView:
+        return self._view
+
+    def block_index_since(self, cursor: object) -> tuple[object, list[object], bool]:
+        return cursor, [], False  # (the cursor, no ops after it, not a whole snapshot)
+
+
+def test_controller_settings_reach_the_controller() -> None:
+    two = settings_for_controllers(
+        2, MAXU, router="least_loaded", sent_ttl_s=0.5, controller_ids=["ctl-a", "ctl-b"]
+    )
+    assert [(s.num_controllers, s.router, s.sent_ttl_s, s.controller_id) for s in two] == [
+        (2, "least_loaded", 0.5, "ctl-a"),
+        (2, "least_loaded", 0.5, "ctl-b"),
+    ]
+    view = make_view(Topology(2, 2))
+    settings = ControllerSettings(router="precise_prefix", sent_ttl_s=0.5, controller_id="ctl-c")
+    ctl = settings.build(IndexedViews(view))
+    assert (ctl.router, ctl.policy.chooser.sent.ttl_s) == (Router.PRECISE_PREFIX, 0.5)
+    d = ctl.decide(AdmissionRequest("a", 8, 1, (b"k1",)))
+    assert d.ticket is not None and d.ticket.controller == "ctl-c"
+    # unset: a new id each, the router chosen by the view source, the default TTL
+    ids = {s.build(lambda: view).controller_id for s in settings_for_controllers(3)}
+    assert len(ids) == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "says"),
+    [
+        ({"router": "nearest"}, ValueError, r"router must be one of \['round_robin', .*'nearest'"),
+        ({"sent_ttl_s": 0}, ValueError, "sent_ttl_s must be a finite number > 0, got 0"),
+        ({"sent_ttl_s": -1.5}, ValueError, "sent_ttl_s must be .* > 0, got -1.5"),
+        ({"controller_ids": ["a", "a"]}, ValueError, r"controller_ids must be 2 distinct ids"),
+        ({"controller_ids": ["a"]}, ValueError, r"controller_ids must be 2 .*got \['a'\]"),
+        ({"controller_ids": "ab"}, TypeError, "controller_ids must be a sequence of 2 str"),
+        ({"controller_ids": ["a", "x" * 65]}, ValueError, "controller id must be"),
+        ({"refresh_interval_s": -1}, ValueError, "refresh_interval_s must be .* >= 0, got -1"),
+        ({"watermark_blocks": -1}, ValueError, "watermark_blocks must be >= 0, got -1"),
+        ({"router": Router.ROUND_ROBIN}, AssertionError, "ray.remote called"),  # all good
+    ],
+)
+def test_start_controllers_checks_its_arguments_before_any_ray_call(
+    monkeypatch: pytest.MonkeyPatch, kwargs: dict, error: type, says: str
+) -> None:  # type: ignore[type-arg]
+    from kvfold.cluster import scheduler_actor
+
+    class NoRay:
+        def __getattr__(self, name: str) -> None:
+            raise AssertionError(f"ray.{name} called before the arguments were checked")
+
+    monkeypatch.setattr(scheduler_actor, "ray", NoRay())
+    with pytest.raises(error, match=says):
+        scheduler_actor.start_controllers("ns", 2, **kwargs)
 
 
 def test_max_utilization_never_admits_what_can_never_finish() -> None:
