@@ -2,9 +2,10 @@
 
 An embedded cluster (`start_local_cluster`, `kvfold demo`) is closed to the network
 twice over (docs/security.md): every process binds and advertises 127.0.0.1 only,
-and Ray's token authentication is on, with a random token. Ray's client reads the
-token once, when `ray` is imported, so a process holds one token for every cluster
-it embeds. The token is written, readable by its owner only, to
+and Ray's token authentication is on, with a random token; a process keeps one
+token for every cluster it embeds. Ray 2.60 reads the loopback setting and the auth
+mode when `ray` is imported: where it was imported before these were set,
+kvfold.cluster.local makes it read them again. The token is written, readable by its owner only, to
 `~/.kvfold/auth/<host>_<port>.token` (`KVFOLD_HOME` moves it), where `kvfold status`,
 `top` and `down` given that `--address` find it.
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
 import tempfile
 from pathlib import Path
 
@@ -57,17 +57,15 @@ def apply_local_defaults(address: str | None = None) -> None:
             use_token(path.read_text(encoding="utf-8").strip())
 
 
-def secure_embedded_cluster() -> bool:
-    """Before an embedded cluster starts: token auth with a random token, unless this
-    process already has one. False when Ray was imported before without token auth
-    (the cluster then still binds loopback only)."""
+def secure_embedded_cluster() -> None:
+    """Before an embedded cluster starts: loopback binding, and token auth with a random
+    token unless this process already has one. Where Ray was imported before, the
+    cluster (kvfold.cluster.local) makes that Ray see these settings too."""
     apply_local_defaults()
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # an embedded cluster is loopback only
     if os.environ.get("RAY_AUTH_MODE") == "token" and os.environ.get("RAY_AUTH_TOKEN"):
-        return True
-    if "ray" in sys.modules:
-        return False
+        return
     use_token(secrets.token_urlsafe(32))
-    return True
 
 
 def save_token(address: str) -> Path | None:

@@ -7,12 +7,14 @@ storage falls back to CPU when no CUDA is present) and a custom resource
 
 Closed to the network (docs/security.md): every node binds and advertises
 127.0.0.1, and Ray's token authentication is on with a random token
-(kvfold.ray_env), written where `kvfold status --address ...` finds it.
+(kvfold.ray_env), written where `kvfold status --address ...` finds it. This holds
+in a process that imported Ray first, too (`adopt_process_settings`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import uuid
 from typing import Any
 
@@ -20,6 +22,11 @@ from kvfold.checks import check_int
 from kvfold.ray_env import save_token, secure_embedded_cluster
 
 log = logging.getLogger("kvfold.cluster")
+
+IMPORT_FIRST = (
+    "import kvfold.cluster before ray, or set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, "
+    "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<secret> in the environment before `import ray`"
+)
 
 FAST_HEALTH_CHECKS = {
     "health_check_initial_delay_ms": 0,
@@ -45,14 +52,20 @@ class LocalCluster:
     ) -> None:
         check_int("num_nodes", num_nodes, 1)
         check_int("gpus_per_node", gpus_per_node, 1)
-        self.token_auth = secure_embedded_cluster()
-        if not self.token_auth:
-            log.warning(
-                "Ray was imported before the embedded cluster was configured: it runs "
-                "without token auth, bound to 127.0.0.1 only (import kvfold.cluster first)"
-            )
+        ray_imported_first = "ray" in sys.modules
+        secure_embedded_cluster()
         import ray
         from ray.cluster_utils import Cluster
+
+        if ray.is_initialized():  # its Ray settings cannot change under a live connection
+            raise RuntimeError(
+                "this process is already connected to a Ray cluster: call ray.shutdown() "
+                "before start_local_cluster()"
+            )
+        if ray_imported_first:
+            adopt_process_settings()
+        check_closed()
+        self.token_auth = True  # always on now; kept for callers that read it
 
         self.num_nodes = num_nodes
         self.gpus_per_node = gpus_per_node
@@ -102,6 +115,59 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def adopt_process_settings() -> None:
+    """Make a Ray imported before kvfold configured the process see the settings
+    kvfold.ray_env has put in the environment since. Ray 2.60 reads two of them at
+    import, and both can be read again (Ray does the second itself when `ray.init()`
+    turns token auth on after import, `authentication_token_setup._enable_token_auth`):
+
+    - loopback: `ray._private.services.get_node_ip_address()` reads
+      `ray_constants.ENABLE_RAY_CLUSTER` (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import)
+      on every call. While it is True (Linux's default), `ray.init(address=
+      "127.0.0.1:<port>")` resolves 127.0.0.1 to the machine's external address and
+      retries, without end, a GCS that listens on loopback only;
+    - token auth: the mode is cached in RayConfig at import (`Config.initialize("")`
+      reads the environment again); the token in `AuthenticationTokenLoader` at its
+      first use (`reset_cache()`: the next use reads RAY_AUTH_TOKEN).
+
+    The cluster's own processes (GCS, raylets, workers) import Ray afresh and read the
+    environment. Changes this process's Ray only; call it before the cluster starts
+    and before `ray.init()`.
+    """
+    try:
+        from ray._private import ray_constants
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+        if ray_constants.ENABLE_RAY_CLUSTER:
+            log.info("Ray was imported before kvfold: making it advertise 127.0.0.1 only")
+            ray_constants.ENABLE_RAY_CLUSTER = False
+        if not is_token_auth_enabled():
+            Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError) as e:  # a Ray other than 2.60
+        raise RuntimeError(
+            f"cannot reconfigure the Ray imported before kvfold: {IMPORT_FIRST}"
+        ) from e
+
+
+def check_closed(loopback_ip: str = "127.0.0.1") -> None:
+    """Raise RuntimeError, before anything starts, where this process's Ray would turn
+    `loopback_ip` into another address (`ray.init()` would then never reach the
+    cluster) or run without token auth."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    from ray._private.services import resolve_ip_for_localhost
+
+    ip = resolve_ip_for_localhost(loopback_ip)
+    token_auth = is_token_auth_enabled()
+    if ip != loopback_ip or not token_auth:
+        raise RuntimeError(
+            f"this process's Ray resolves {loopback_ip} to {ip}, token auth "
+            f"{'on' if token_auth else 'off'}: the embedded cluster cannot start closed to "
+            f"the network here. {IMPORT_FIRST}"
+        )
 
 
 def start_local_cluster(num_nodes: int = 3, gpus_per_node: int = 4, **kwargs: Any) -> LocalCluster:

@@ -3,11 +3,14 @@ anything listens beyond it, token auth is on), and a client without its token is
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +29,9 @@ kv.shutdown(); c.shutdown()
 """
 
 
-def env(kvfold_home: Path, **extra: str) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    e.update(KVFOLD_HOME=str(kvfold_home), **extra)
+def env(kvfold_home: Path, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", *drop))}
+    e.update(KVFOLD_HOME=str(kvfold_home))
     return e
 
 
@@ -56,9 +59,28 @@ def listening(root: psutil.Process) -> list[tuple[str, int, str, bool]]:
     return out
 
 
-def start_server(script: str, kvfold_home: Path, fields: int) -> tuple[Any, list[str]]:
+def stop_tree(root: psutil.Process) -> None:
+    """End `root` and every process under it, by PID: a start that hung leaves Ray's behind."""
+    procs = [root]
+    with contextlib.suppress(psutil.NoSuchProcess):
+        procs += root.children(recursive=True)
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=30)
+
+
+def start_server(
+    script: str,
+    kvfold_home: Path,
+    fields: int,
+    *,
+    up_within_s: float = 120.0,
+    drop: tuple[str, ...] = (),
+) -> tuple[Any, list[str]]:
     """Run `script` (an embedded cluster) in its own process, its stderr to a file beside
-    its KVFOLD_HOME; return the process and the fields of the line it prints when up."""
+    its KVFOLD_HOME and `drop`ped variables out of its environment; return the process
+    and the fields of the line it prints when up (within `up_within_s`, or the test fails)."""
     log = kvfold_home.parent / f"{kvfold_home.name}.err"
     server = subprocess.Popen(
         [sys.executable, "-c", script],
@@ -66,13 +88,16 @@ def start_server(script: str, kvfold_home: Path, fields: int) -> tuple[Any, list
         stdout=subprocess.PIPE,
         stderr=log.open("w"),
         text=True,
-        env=env(kvfold_home),
+        env=env(kvfold_home, drop),
     )
-    line = server.stdout.readline().split()  # type: ignore[union-attr]
+    assert server.stdout is not None  # stdout=PIPE
+    ready, _, _ = select.select([server.stdout], [], [], up_within_s)
+    line = server.stdout.readline().split() if ready else []
     if len(line) != fields:
-        server.stdin.close()  # type: ignore[union-attr]
-        server.wait(timeout=60)
-        pytest.fail(f"the embedded cluster did not start: {log.read_text()[-1500:]}")
+        stop_tree(psutil.Process(server.pid))
+        server.wait(timeout=30)
+        why = "printed " + repr(line) if ready else f"was not up within {up_within_s:.0f} s"
+        pytest.fail(f"the embedded cluster {why}: {log.read_text()[-1500:]}")
     return server, line
 
 
@@ -116,28 +141,49 @@ def test_embedded_cluster_listens_on_loopback_with_token_auth(tmp_path: Path) ->
     assert not Path(token_path).exists()  # the cluster's token goes with it
 
 
-# a process that imported Ray before it started the cluster: no token auth is possible
-# any more (Ray reads it at import), so the cluster must still listen on loopback only
+# a process that imported Ray before kvfold configured it, in an environment that says
+# nothing about Ray: Ray read its settings at import (on Linux: advertise the machine's
+# external address; no token auth), and the embedded cluster must still come up, closed
 SERVER_RAY_FIRST = r"""
+import ray  # the first line of most Ray programs
 import sys
-import ray  # before kvfold configured the process
-from kvfold.cluster import start_local_cluster
-c = start_local_cluster(2, 1)
-print(c.address, c.token_auth, c.token_path, flush=True)
-sys.stdin.read()
-c.shutdown()
+from kvfold.cluster import launch, start_local_cluster
+c = start_local_cluster(1, 1)
+kv = launch(1, 1)
+assert ray.get(ray.remote(lambda: 1 + 1).remote()) == 2
+print(c.address, c.token_path, kv.view().world_size, flush=True)
+sys.stdin.read()  # until the test closes our stdin
+kv.shutdown(); c.shutdown()
 """
 
 
-def test_without_token_auth_nothing_listens_beyond_loopback(tmp_path: Path) -> None:
+def test_ray_imported_first_comes_up_closed_and_goes_away(tmp_path: Path) -> None:
     home = tmp_path / "owner"
-    server, line = start_server(SERVER_RAY_FIRST, home, 3)
+    start_s = time.monotonic()
+    server, (address, token_path, world_size) = start_server(
+        SERVER_RAY_FIRST, home, 3, drop=("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",)
+    )
+    up_s = time.monotonic() - start_s
+    root = psutil.Process(server.pid)
+    tree = [root, *root.children(recursive=True)]
     try:
-        assert line[1:] == ["False", "None"]  # no token auth, no token saved
-        sockets = listening(psutil.Process(server.pid))
-        assert len(sockets) >= 3
+        assert address.startswith("127.0.0.1:") and world_size == "1"
+        assert Path(token_path).is_file() and Path(token_path).stat().st_mode & 0o077 == 0
+        sockets = listening(root)
+        assert len(sockets) >= 2  # the GCS and the raylet at least
         assert all(is_loopback(ip) for ip, *_ in sockets), sockets
+        ray_procs = [s for s in sockets if s[2] in ("gcs_server", "raylet")]
+        assert ray_procs and all(s[3] for s in ray_procs)  # token auth on for the cluster
     finally:
         server.stdin.close()  # type: ignore[union-attr]
-        server.wait(timeout=60)
-    assert "without token auth, bound to 127.0.0.1 only" in (tmp_path / "owner.err").read_text()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            stop_tree(root)
+            raise
+    total_s = time.monotonic() - start_s
+    assert server.returncode == 0, (tmp_path / "owner.err").read_text()[-1500:]
+    _, alive = psutil.wait_procs(tree, timeout=30)  # everything the cluster started ends
+    assert not alive, alive
+    assert not Path(token_path).exists()
+    print(f"ray imported first: up in {up_s:.1f} s, down after {total_s:.1f} s")
