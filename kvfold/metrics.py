@@ -3,8 +3,8 @@
 Every scrape reads the aggregator's current view, so no series is duplicated
 (one process, one registry) or lost (every node is exported whatever its state,
 with `kvfold_node_state` saying whether its numbers count). Counters are the
-view's cumulative counts, which never go backwards across rank or node-actor
-restarts; an aggregator restart is a counter reset, as Prometheus expects.
+view's cumulative counts, which never go backwards across rank, node-actor or
+aggregator restarts (kvfold.aggregator.counter_ledger), so `rate()` is right.
 
     kvfold_gpu_blocks{node,window,state=used|cached|free}   gauge, last known per node
     kvfold_gpu_capacity_blocks{node,window}                   gauge

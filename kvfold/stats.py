@@ -98,12 +98,14 @@ class BlockGauges:
 class BlockDeltas:
     """Counts for one window over one interval (or a sum of intervals/windows).
 
-    The allocation counters mean what TensorRT-LLM's `getFreeBlock` counts:
-    alloc_total = alloc_new + evicted, and a prefix-cache hit is not an allocation.
+    The allocation counters mean what TensorRT-LLM's `getFreeBlock` counts: a taken
+    block is new when it has never held a token (a freed partial tail or an evicted
+    block is not), so alloc_new + evicted <= alloc_total; a prefix-cache hit is not an
+    allocation (docs/decisions.md).
     """
 
-    alloc_total_blocks: int = 0  # taken from the free list: never used, or by eviction
-    alloc_new_blocks: int = 0  # of those, blocks that held no cached content
+    alloc_total_blocks: int = 0  # taken from the free list: never used, freed, or evicted
+    alloc_new_blocks: int = 0  # of those, blocks that had never held a token
     reused_blocks: int = 0  # prompt blocks found in this rank's prefix cache
     onboarded_blocks: int = 0  # prompt blocks copied in from the host tier
     onboarded_bytes: int = 0

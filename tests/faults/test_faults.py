@@ -445,11 +445,16 @@ def test_counters_never_go_backwards_while_each_actor_kind_restarts(kv) -> None:
         ray.kill(kv.aggregator, no_restart=False)
         wait_until(lambda: answers(kv.aggregator), timeout_s=60)
         seen = watch.scrapes
-        wait_until(
-            lambda: kv.view().version > version and all(s is FRESH for s in kv.view().node_states)
-            and watch.scrapes > seen + 5,
-            timeout_s=60,
-        )  # fmt: skip
+
+        def rebuilt() -> bool:
+            try:
+                view = kv.view()
+            except AggregatorUnavailable:
+                return False
+            fresh = all(s is FRESH for s in view.node_states)
+            return view.version > version and fresh and watch.scrapes > seen + 5
+
+        wait_until(rebuilt, timeout_s=60)
         wait_until(grows_past(done[0] + 20), timeout_s=60)
     finally:
         stop.set()

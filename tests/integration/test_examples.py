@@ -48,3 +48,20 @@ def test_example_runs_and_prints_what_it_claims(name: str) -> None:
 
 def test_every_example_is_run_here() -> None:
     assert {p.name for p in EXAMPLES.glob("*.py")} == set(CASES)
+
+
+README = EXAMPLES.parent / "README.md"
+
+
+def readme_snippets() -> list[str]:
+    """The README's Python blocks, in order."""
+    text = README.read_text()
+    return [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+
+
+@pytest.mark.parametrize("i", range(len(readme_snippets())))
+def test_readme_snippet_runs_as_written(i: int) -> None:
+    """What the README shows a newcomer runs as is, each block in a fresh interpreter."""
+    code = readme_snippets()[i]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"README block {i} failed:\n{code}\n{res.stderr[-3000:]}"
