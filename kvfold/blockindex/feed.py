@@ -191,12 +191,11 @@ class IndexFeed:
 
     def drop(self, source: Source) -> None:
         """A dead, removed or replaced source: its entries leave the index; it starts over
-        if it comes back (late batches of the lives it had are still ignored)."""
+        if it comes back (late batches of the lives it had retired are still ignored)."""
         st = self.streams.pop(source, None)
-        if st is not None:
-            gone = deque(st.retired, maxlen=MAX_RETIRED)
-            gone.append(st.incarnation)
-            self._dropped[source] = gone
+        if st is not None:  # its own life may come back (silence is not always death): a
+            # stream of it opens out of sync, credited only from a snapshot
+            self._dropped[source] = deque(st.retired, maxlen=MAX_RETIRED)
         if source in self.index.held:
             self._op(("drop", source))
             self.counts["dropped"] += 1

@@ -90,12 +90,20 @@ def test_a_stream_newer_than_the_view_stays() -> None:
     assert gone(view, feed, NODE_INCS) == set()
 
 
-def test_what_left_stays_out_and_its_late_batches_are_ignored() -> None:
+def test_what_left_comes_back_only_through_a_snapshot() -> None:
     feed = feed_with_everyone()
     for source in gone(view_of({0: FRESH, 1: DEAD}), feed, NODE_INCS):
         feed.drop(source)
     assert feed.index.keys_of((RANK, 2)) == {}
-    assert feed.ingest(stored(RANK, 2, 1, 2, 999)) == "stale_incarnation"  # a late batch
-    assert feed.index.keys_of((RANK, 2)) == {}
-    assert feed.ingest(stored(RANK, 2, 8, 1, 400)) == "applied"  # a new life starts clean
-    assert feed.index.keys_of((RANK, 2)) == {0: {400}}
+    # the same life again (it was only silent): out of sync, nothing credited yet
+    assert feed.ingest(stored(RANK, 2, 1, 2, 999)) == "kept"
+    assert feed.index.keys_of((RANK, 2)) == {} and (RANK, 2) in feed.wanted()
+    assert feed.ingest(stored(RANK, 3, 8, 1, 400)) == "applied"  # a new life starts clean
+    assert feed.index.keys_of((RANK, 3)) == {0: {400}}
+
+
+def test_late_batches_of_a_retired_life_stay_out_after_a_drop() -> None:
+    feed = feed_with_everyone()
+    assert feed.ingest(stored(RANK, 2, 9, 1, 500)) == "applied"  # life 9 retires life 1
+    feed.drop((RANK, 2))
+    assert feed.ingest(stored(RANK, 2, 1, 2, 999)) == "stale_incarnation"
