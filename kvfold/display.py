@@ -65,6 +65,7 @@ def node_to_dict(n: NodeUtilization, state: SourceState) -> dict[str, Any]:
         "sequences": _statuses(n.num_sequences_by_status),
         "num_valid_sequences": n.num_valid_sequences,
         "counters": _deltas(n.counters.total),
+        "unknown": {name: list(ranks) for name, ranks in n.unknown.items()},
         "ranks": [
             {
                 "rank": r.rank,
@@ -74,6 +75,7 @@ def node_to_dict(n: NodeUtilization, state: SourceState) -> dict[str, Any]:
                 "age_s": r.age_s,
                 "num_refused": r.num_refused,
                 "tickets": dict(r.tickets),
+                "unknown": sorted(r.unknown),
             }
             for r in n.ranks
         ],
@@ -100,6 +102,8 @@ def view_to_dict(view: ClusterView) -> dict[str, Any]:
             "num_valid_sequences": view.num_valid_sequences,
             "counters": _deltas(view.counters.total),
         },
+        # fields some fresh ranks do not publish (engines): the totals above leave them out
+        "unknown": {name: list(ranks) for name, ranks in view.unknown.items()},
         "nodes": nodes,
     }
 
@@ -143,6 +147,9 @@ def table_cells(view: ClusterView) -> tuple[list[str], list[list[str]], str]:
         f"(+host {100 * c.hit_rate_with_host:.1f}%), stale ranks {list(view.stale_ranks)}, "
         f"dead ranks {list(view.dead_ranks)}"
     )
+    unknown = view.unknown
+    if unknown:
+        summary += "; unknown: " + ", ".join(f"{k} (ranks {list(v)})" for k, v in unknown.items())
     return head, rows, summary
 
 

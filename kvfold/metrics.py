@@ -18,6 +18,10 @@ aggregator restarts (kvfold.aggregator.counter_ledger), so `rate()` is right.
     kvfold_ranks{node,state=fresh|stale|dead|missing}         gauge
     kvfold_node_state{node,state}                             gauge, 1 for the node's state
     kvfold_node_report_age_seconds{node}                      gauge
+    kvfold_unknown_ranks{node,field}                          gauge, fresh ranks that do not
+                                                              publish a field (cached,
+                                                              committed, deltas); that node's
+                                                              series of the field are left out
     kvfold_view_version                                       gauge
     kvfold_blocks_total{node,window,kind}                     counter (alloc_total, reused, ...)
     kvfold_bytes_total{node,window,kind=onboarded|offloaded}  counter
@@ -36,7 +40,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvfold.stats import DELTA_FIELDS, HOST_FIELDS, SequenceStatus, window_label
+from kvfold.stats import DELTA_FIELDS, HOST_FIELDS, UNKNOWABLE, SequenceStatus, window_label
 from kvfold.view import ClusterView, SourceState
 
 # the block counters of stats.BlockDeltas / HostStats, named by kind (`<kind>_blocks`)
@@ -116,8 +120,17 @@ def _node_gauges(view: ClusterView) -> Iterator[Metric]:
     age = GaugeMetricFamily(
         "kvfold_node_report_age_seconds", "seconds since the node's last report", labels=["node"]
     )
+    unknown = GaugeMetricFamily(
+        "kvfold_unknown_ranks",
+        "fresh ranks whose source does not publish a field (an engine's): the node's series "
+        "of that field are left out rather than undercounted",
+        labels=["node", "field"],
+    )
     for n in view.nodes:
         node = str(n.node)
+        blind = n.unknown  # field -> fresh ranks that do not publish it
+        for name in UNKNOWABLE:
+            unknown.add_metric([node, name], len(blind.get(name, ())))
         for st in SourceState:
             nstate.add_metric([node, st.value], 1.0 if n.state is st else 0.0)
             ranks.add_metric([node, st.value], sum(1 for r in n.ranks if r.state is st))
@@ -125,28 +138,32 @@ def _node_gauges(view: ClusterView) -> Iterator[Metric]:
         refused.add_metric([node], sum(r.num_refused for r in n.ranks))
         for w, g in n.gpu.items():
             wl = window_label(w)
-            for state, value in (("used", g.num_blocks_used), ("cached", g.num_blocks_cached)):
-                gpu.add_metric([node, wl, state], value)
+            gpu.add_metric([node, wl, "used"], g.num_blocks_used)
+            if "cached" not in blind:
+                gpu.add_metric([node, wl, "cached"], g.num_blocks_cached)
             gpu.add_metric([node, wl, "free"], g.num_blocks_free)
             cap.add_metric([node, wl], g.num_blocks_total)
-            committed.add_metric([node, wl], g.num_blocks_committed)
+            if "committed" not in blind:
+                committed.add_metric([node, wl], g.num_blocks_committed)
         if n.host is not None:
             host.add_metric([node, "used"], n.host.num_blocks_used)
             host.add_metric([node, "evictable"], n.host.num_blocks_evictable)
             host.add_metric([node, "free"], n.host.num_blocks_free)
         for status in SequenceStatus:
             seqs.add_metric([node, status.name.lower()], n.num_sequences_by_status.get(status, 0))
-    yield from (gpu, cap, committed, refused, host, seqs, ranks, nstate, age)
+    yield from (gpu, cap, committed, refused, host, seqs, ranks, nstate, age, unknown)
 
 
 def _cluster_gpu(view: ClusterView) -> Metric:
     cluster = GaugeMetricFamily(
         "kvfold_cluster_gpu_blocks", "GPU KV blocks over fresh ranks", labels=["window", "state"]
     )
+    cached_known = "cached" not in view.unknown
     for w, g in view.gpu.items():
         wl = window_label(w)
         cluster.add_metric([wl, "used"], g.num_blocks_used)
-        cluster.add_metric([wl, "cached"], g.num_blocks_cached)
+        if cached_known:
+            cluster.add_metric([wl, "cached"], g.num_blocks_cached)
         cluster.add_metric([wl, "free"], g.num_blocks_free)
         cluster.add_metric([wl, "total"], g.num_blocks_total)
     return cluster

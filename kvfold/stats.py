@@ -294,6 +294,10 @@ class HostStats:
 
 HOST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HostStats))
 _host_values = attrgetter(*HOST_FIELDS)
+UNKNOWABLE = ("cached", "committed", "deltas")
+"""A rank's numbers an engine may not publish (DESIGN §10): its gauges' cached and
+committed blocks, and its per-iteration block counters. A report lists the ones it does
+not know; they travel as 0 and are shown, folded and admitted on as unknown, never as 0."""
 NUM_HOST_GAUGES = 3  # total, used, evictable: the rest of HOST_FIELDS are counters
 HOST_COUNTER_FIELDS = HOST_FIELDS[NUM_HOST_GAUGES:]
 
@@ -323,6 +327,7 @@ class RankReport:
     controller id, the highest ticket this incarnation has taken in (placed or
     refused), so a controller releases exactly the reservations the gauges now hold.
     `num_refused`: placements refused because they would over-commit (cumulative).
+    `unknown`: which of UNKNOWABLE its source does not publish (an engine's rank).
     """
 
     rank: int
@@ -333,6 +338,7 @@ class RankReport:
     num_sequences_by_status: Mapping[SequenceStatus, int]
     tickets: Mapping[str, int] = field(default_factory=dict)
     num_refused: int = 0
+    unknown: frozenset[str] = frozenset()  # of UNKNOWABLE: what its source does not publish
 
     @property
     def gpu_total(self) -> BlockGauges:

@@ -49,6 +49,7 @@ class RankSummary:
     tickets: Mapping[str, int] = field(default_factory=dict)  # controller -> highest taken in
     report_seq: int = 0
     num_refused: int = 0  # placements it refused as over-commits (this incarnation)
+    unknown: frozenset[str] = frozenset()  # of stats.UNKNOWABLE: what its source does not publish
 
     @property
     def num_blocks_free(self) -> int:
@@ -124,6 +125,18 @@ class NodeUtilization:
     def rank_free_blocks(self) -> dict[int, int]:
         """Free GPU blocks of each fresh rank, summed over windows."""
         return {r.rank: r.num_blocks_free for r in self.ranks if r.state is SourceState.FRESH}
+
+    @property
+    def unknown(self) -> dict[str, tuple[int, ...]]:
+        """Per field of stats.UNKNOWABLE, the fresh ranks that do not publish it: the
+        node's sums of that field leave them out, so they say which ranks it could not
+        count (empty for kvfold's own ranks)."""
+        out: dict[str, list[int]] = {}
+        for r in self.ranks:
+            if r.unknown and r.state is SourceState.FRESH:
+                for name in r.unknown:
+                    out.setdefault(name, []).append(r.rank)
+        return {k: tuple(v) for k, v in sorted(out.items())}
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +245,16 @@ class ClusterView:
         """Cumulative reused / (reused + missed) over the cluster (counts summed first)."""
         t: BlockDeltas = total_deltas(self.counters.windows.values())
         return ratio(t.reused_blocks, t.reused_blocks + t.missed_blocks)
+
+    @property
+    def unknown(self) -> dict[str, tuple[int, ...]]:
+        """Per field of stats.UNKNOWABLE, the fresh ranks of fresh nodes that do not
+        publish it (the totals of that field could not count them)."""
+        out: dict[str, tuple[int, ...]] = {}
+        for n in self.fresh_nodes:
+            for name, ranks in n.unknown.items():
+                out[name] = out.get(name, ()) + ranks
+        return out
 
     def rank_summary(self, rank: int) -> tuple[RankSummary, SourceState] | None:
         """A rank's last summary and its node's state, or None outside the world."""

@@ -6,7 +6,10 @@ A rank's room in window w is what its last report left uncommitted:
 
 `committed` is the rank's own count (held blocks plus what its sequences may still need,
 kvfold.worker.commitments). The policy (kvfold.admission.policy) takes from it the
-watermark and what this controller promised since; `seen` is, per rank, this
+watermark and what this controller promised since. A rank whose source does not
+publish its commitments (an engine's, `RankSummary.unknown`) is no candidate: room on
+it cannot be promised (the front door keeps an engine's commitments itself, DESIGN
+§11). `seen` is, per rank, this
 controller's highest ticket the rank has shown (kvfold.worker.tickets), which settles
 those promises.
 """
@@ -38,6 +41,7 @@ class CapacityIndex:
         fresh = [False] * n
         tpb = 0
         seen: dict[int, int] = {}  # this controller's highest ticket each rank has shown
+        unknown = 0  # fresh ranks whose commitments are unknown: never promised on
         for node in view.nodes:
             node_fresh = node.state is FRESH
             for r in node.ranks:
@@ -47,6 +51,9 @@ class CapacityIndex:
                         seen[r.rank] = t
                 gpu = r.gpu
                 if not (node_fresh and gpu and r.state is FRESH):
+                    continue
+                if "committed" in r.unknown:  # an engine's rank: what it owes is not known
+                    unknown += 1
                     continue
                 rank = r.rank
                 fresh[rank] = True
@@ -71,6 +78,7 @@ class CapacityIndex:
         self.room.shape = self.total.shape = (k, n)
         self.fresh = np.array(fresh, dtype=bool)
         self.any_fresh = any(fresh)
+        self.num_unknown = unknown
         self.seen: IntArray = np.zeros(n, dtype=np.int64)
         if seen:
             self.seen[list(seen)] = list(seen.values())

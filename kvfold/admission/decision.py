@@ -12,6 +12,7 @@ Blocks needed per window (B tokens per block, F the declared end):
 
 Outcomes, checked in this order (kvfold.admission.policy decides):
     QUEUE  no_fresh_capacity        no fresh rank at all (never an admit onto stale numbers)
+    QUEUE  capacity_unknown         fresh ranks, but none publishes its commitments (engines)
     REJECT exceeds_rank_capacity    no fresh rank could hold it at its full length, empty
                                     (total - watermark_blocks; under either policy: a
                                     request that can never finish is never admitted)

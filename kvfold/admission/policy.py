@@ -183,7 +183,8 @@ class AdmissionPolicy:
         idx = self.index
         version = idx.version if idx is not None else 0
         if idx is None or not idx.any_fresh or not idx.windows:
-            return Decision(self.no_fresh, "no_fresh_capacity", version)
+            why = "capacity_unknown" if idx is not None and idx.num_unknown else "no_fresh_capacity"
+            return Decision(self.no_fresh, why, version)
         if request.request_id in self.book:
             raise ValueError(
                 f"request_id {request.request_id!r} is admitted and not yet placed; "

@@ -66,6 +66,7 @@ class RankRecord:
             tickets=rep.tickets,
             report_seq=rep.seq,
             num_refused=rep.num_refused,
+            unknown=rep.unknown,
         )
 
 
@@ -88,6 +89,7 @@ def _rank_of(
             record.tickets,
             record.seq,
             record.num_refused,
+            record.unknown,
         )
         return record, summary, record.deltas
     if not isinstance(record, RankRecord):

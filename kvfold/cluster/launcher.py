@@ -29,6 +29,8 @@ from kvfold.aggregator.cluster_actor import CARRY_KEY, ClusterAggregator
 from kvfold.aggregator.node_actor import HostKVActor
 from kvfold.cluster.handle import KVFold
 from kvfold.cluster.settings import LaunchSettings
+from kvfold.engines.endpoints import EngineEndpoints
+from kvfold.engines.engine_rank_actor import EngineRankActor
 from kvfold.errors import KVFoldError, PlacementError
 from kvfold.naming import (
     AGGREGATOR_NAME,
@@ -101,6 +103,7 @@ def launch(
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
     engine_factory: EngineFactory | None = SimEngine,
+    engines: Sequence[EngineEndpoints] | None = None,
 ) -> KVFold:
     """Start kvfold on the Ray cluster at `address` (or the one this process is connected to).
 
@@ -111,6 +114,10 @@ def launch(
     None: off), bound to `metrics_host` (127.0.0.1 unless told otherwise).
     engine_factory: the engine each rank runs over its cache (kvfold.worker.engine);
     kvfold's simulated engine by default, None for ranks driven only by their API.
+    engines: real engines as ranks (DESIGN §10), one EngineEndpoints per rank, in rank
+    order: each rank is an EngineRankActor reading what its engine publishes (its KV
+    events and /metrics), instead of a kvfold cache (`cache` then only names the
+    windows; vLLM's full attention is the default's).
     """
     if namespace is None:
         namespace = ray.get_runtime_context().namespace if ray.is_initialized() else None
@@ -127,6 +134,7 @@ def launch(
         detached=detached,
         gpus_per_rank=gpus_per_rank,
         rank_max_restarts=rank_max_restarts,
+        engines=tuple(engines or ()),
     )
     return _deploy(settings, address, (metrics_host, metrics_port), engine_factory, wait_fresh)
 
@@ -278,7 +286,7 @@ def _start_nodes(settings: LaunchSettings, placement: Placement) -> list[Any]:
 def _start_ranks(
     settings: LaunchSettings, placement: Placement, engine_factory: EngineFactory | None
 ) -> list[Any]:
-    ranks = []
+    ranks: list[Any] = []
     for rank, bundle in enumerate(placement.rank_bundle):
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=placement.group, placement_group_bundle_index=bundle
@@ -291,6 +299,13 @@ def _start_ranks(
             max_concurrency=4,
             scheduling_strategy=strategy,
         )
+        if settings.engines:  # beside the engine: its sockets are bound on loopback
+            ranks.append(
+                ray.remote(EngineRankActor)
+                .options(**options)
+                .remote(rank, placement.rank_to_node, settings.engines[rank], **_common(settings))
+            )
+            continue
         ranks.append(
             ray.remote(RankWorker)
             .options(**options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfold.checks import check_int, check_positive
+from kvfold.engines.endpoints import EngineEndpoints
 from kvfold.worker.config import KVCacheConfig
 
 
@@ -22,6 +23,7 @@ class LaunchSettings:
     detached: bool
     gpus_per_rank: float
     rank_max_restarts: int
+    engines: tuple[EngineEndpoints, ...] = ()  # engine ranks (DESIGN §10): one per rank
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, 1)
@@ -47,3 +49,14 @@ class LaunchSettings:
             )
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ValueError(f"namespace must be a non-empty str, got {self.namespace!r}")
+        if self.engines:
+            if any(not isinstance(e, EngineEndpoints) for e in self.engines):
+                raise TypeError("engines must be EngineEndpoints, one per rank")
+            if len(self.engines) != self.world_size:
+                raise ValueError(
+                    f"engines: one per rank, so {self.world_size} (world_size), "
+                    f"got {len(self.engines)}"
+                )
+            binds = [e.events for e in self.engines]
+            if len(set(binds)) != len(binds):
+                raise ValueError(f"engines: each rank needs its own events endpoint, got {binds}")

@@ -15,6 +15,7 @@ from kvfold.errors import ReportError
 from kvfold.stats import (
     DELTA_FIELDS,
     GAUGE_FIELDS,
+    UNKNOWABLE,
     BlockDeltas,
     BlockGauges,
     SequenceStatus,
@@ -204,7 +205,9 @@ def tickets_field(value: Any, name: str) -> dict[str, int]:
     return out
 
 
-def unpack(data: Any, kind: str, keys: frozenset[str]) -> dict[str, Any]:
+def unpack(
+    data: Any, kind: str, keys: frozenset[str], optional: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise fail("bad_field", f"a report must be bytes, got {type(data).__name__}")
     if len(data) > MAX_REPORT_BYTES:
@@ -238,11 +241,21 @@ def unpack(data: Any, kind: str, keys: frozenset[str]) -> dict[str, Any]:
         )
     if msg.get("t") != kind:
         raise fail("bad_schema", f"expected a {kind} report, got type {msg.get('t')!r}")
-    if set(msg) != keys:
+    if set(msg) - optional != keys:
         missing = sorted(keys - set(msg))
-        extra = sorted(str(k) for k in set(msg) - keys)
+        extra = sorted(str(k) for k in set(msg) - keys - optional)
         raise fail("bad_schema", f"fields missing {missing}, unexpected {extra}")
     return msg
+
+
+def unknown_field(value: Any, name: str) -> frozenset[str]:
+    """Which of stats.UNKNOWABLE a rank's source does not publish (absent: none)."""
+    if value is None:
+        return frozenset()
+    names = list_field(value, name, len(UNKNOWABLE))
+    if any(n not in UNKNOWABLE for n in names):
+        raise fail("bad_field", f"{name} names fields outside {list(UNKNOWABLE)}: {names!r}"[:200])
+    return frozenset(names)
 
 
 DECODE_ERRORS = (TypeError, ValueError, KeyError, IndexError, OverflowError, RecursionError)

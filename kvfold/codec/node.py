@@ -27,6 +27,7 @@ from kvfold.codec.fields import (
     status_row,
     ticket_rows,
     tickets_field,
+    unknown_field,
     unpack,
 )
 from kvfold.stats import HOST_FIELDS, HostStats, IterationStats, Window
@@ -83,6 +84,7 @@ def _encode_node_report(
             ticket_rows(r.tickets)[-max_tickets:] if max_tickets else [],
             r.report_seq,
             r.num_refused,
+            *([sorted(r.unknown)] if r.unknown else []),
         ]
         for r in util.ranks
     ]
@@ -145,7 +147,9 @@ def _rank_summaries(
         raise fail("ranks_mismatch", f"node {node} must report ranks {list(expected)}")
     summaries = []
     for i, row in enumerate(rows):
-        row = list_field(row, f"ranks[{i}]", 9, exact=9)
+        row = list_field(row, f"ranks[{i}]", 10)
+        if len(row) < 9:
+            raise fail("bad_field", f"ranks[{i}] has {len(row)} fields, not 9 or 10")
         state = STATE_CODES.get(row[1]) if type(row[1]) is str else None
         if state is None:
             raise fail("bad_field", f"ranks[{i}] state {row[1]!r} is not a known state")
@@ -160,6 +164,7 @@ def _rank_summaries(
                 tickets=tickets_field(row[6], f"ranks[{i}] tickets"),
                 report_seq=int_field(row[7], f"ranks[{i}] seq", MAX_ID),
                 num_refused=int_field(row[8], f"ranks[{i}] refused"),
+                unknown=unknown_field(row[9] if len(row) > 9 else None, f"ranks[{i}] unknown"),
             )
         )
     return tuple(summaries)

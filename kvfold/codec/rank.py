@@ -30,6 +30,7 @@ from kvfold.codec.fields import (
     status_row,
     ticket_rows,
     tickets_field,
+    unknown_field,
     unpack,
 )
 from kvfold.errors import ReportError
@@ -37,6 +38,7 @@ from kvfold.stats import RankReport, Window
 from kvfold.topology import Topology
 
 _RANK_KEYS = frozenset({"v", "t", "r", "i", "s", "g", "d", "q", "k", "f"})
+_OPTIONAL = frozenset({"u"})  # what the rank's source does not publish (an engine's)
 
 
 def encode_rank_report(report: RankReport) -> bytes:
@@ -52,6 +54,7 @@ def encode_rank_report(report: RankReport) -> bytes:
             "q": status_row(report.num_sequences_by_status),
             "k": ticket_rows(report.tickets),
             "f": report.num_refused,
+            **({"u": sorted(report.unknown)} if report.unknown else {}),
         }
     )
 
@@ -65,7 +68,7 @@ def decode_rank_report(
     """Validate a rank report. `node`: the receiving node (the rank must be on it);
     `windows`: the windows this deployment's caches have."""
     try:
-        msg = unpack(data, "rank", _RANK_KEYS)
+        msg = unpack(data, "rank", _RANK_KEYS, optional=_OPTIONAL)
         rank = msg["r"]
         if type(rank) is not int:
             raise fail("bad_field", f"rank must be an int, got {type(rank).__name__}")
@@ -84,6 +87,7 @@ def decode_rank_report(
             num_sequences_by_status=status_field(msg["q"]),
             tickets=tickets_field(msg["k"], "k"),
             num_refused=int_field(msg["f"], "refused", MAX_COUNT),
+            unknown=unknown_field(msg.get("u"), "u"),
         )
     except ReportError:
         raise

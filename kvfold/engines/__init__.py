@@ -1,0 +1,11 @@
+"""Real engines as ranks (DESIGN §10): what vLLM, SGLang and TensorRT-LLM publish, read
+without importing them, and turned into kvfold's rank reports and block events.
+
+    vllm_wire     vLLM's ZMQ KV-event frames and its replay protocol, strictly decoded
+    vllm_metrics  vLLM's /metrics page: the numbers of a rank it publishes
+    content_keys  an engine's blocks keyed by kvfold's own prefix keys (never its hashes)
+    engine_source one engine's event stream: order, gaps, replay, restarts, the live set
+    vllm_server   runs a real vLLM OpenAI server (tests, benchmarks, a user's trial)
+
+Pure cores; the Ray shell that reads the sockets stands above them.
+"""

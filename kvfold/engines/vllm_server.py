@@ -1,0 +1,413 @@
+"""Runs a real vLLM OpenAI server as a subprocess, for kvfold to read (tests, benchmarks,
+a user's trial). Standard library only: no Ray, no vLLM import (the engine lives in a
+virtualenv of its own; `python` names that interpreter).
+
+    VLLMServerSettings  what to run (frozen, validated on construction)
+    VLLMServer          start / wait_ready / complete / metrics_text / reset_prefix_cache / stop
+
+Everything listens on 127.0.0.1. The KV-event sockets follow vLLM's own rule: with a
+plain `tcp://127.0.0.1:P` the engine *connects* its PUB, so the reader (kvfold) must
+bind a SUB on P before the engine starts; the replay ROUTER is bound by the engine.
+
+    reader (kvfold)                          engine (vLLM)
+    SUB  bind tcp://127.0.0.1:P   <-------   PUB    connect   (events_endpoint)
+    DEALER connect 127.0.0.1:R    ------->   ROUTER bind      (replay_endpoint)
+
+The reader must also keep polling its SUB from before the engine starts: libzmq hands a
+newly connected PUB the SUB's subscription only when the SUB's owner thread next calls
+into the socket, and the PUB drops every message until then (measured: a SUB left
+untouched while the engine started received nothing, though the replay held the batch).
+
+The server runs in a process group of its own (not a session: engines in sessions of
+their own starved each other on a shared CPU), so stop() reaches the API server, the
+EngineCore and its workers with one signal. The VLLMServer object owns that group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from kvfold.errors import KVFoldError
+
+LOOPBACK = "127.0.0.1"
+BLOCK_SIZE_MULTIPLE = 32  # the CPU attention backend's block sizes
+KV_DTYPE = "bfloat16"
+KV_DTYPE_BYTES = 2
+LOG_TAIL_LINES = 40
+_EVERY_INTERFACE = ("*", "0.0.0.0", "::", "[::]", "")
+_TCP_ENDPOINT = re.compile(r"^tcp://(?P<host>\[[^\]]*\]|[^:]*):(?P<port>[^:]*)$")
+
+
+class EngineStartError(KVFoldError, RuntimeError):
+    """The engine exited or did not answer /health in time; the message holds its log tail."""
+
+
+class EngineRequestError(KVFoldError, RuntimeError):
+    """The engine refused or failed an HTTP request; `status` is its HTTP status (0: none)."""
+
+    def __init__(self, path: str, status: int, detail: str) -> None:
+        self.path = path
+        self.status = status
+        super().__init__(f"{path}: HTTP {status}: {detail}")
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMServerSettings:
+    """What to run. `num_gpu_blocks` is the KV cache in blocks, as vLLM reports it in
+    `vllm:cache_config_info` (one of them is vLLM's reserved null block, so one fewer
+    holds tokens). `events_endpoint=None` runs without KV events."""
+
+    python: str  # the engine virtualenv's interpreter
+    model_dir: str  # a HF config directory; weights are dummy (`--load-format dummy`)
+    served_model_name: str = "tiny-llama"
+    block_size: int = 32
+    num_gpu_blocks: int = 48
+    max_model_len: int = 1024
+    max_num_seqs: int = 4
+    port: int = 0  # 0: pick a free loopback port at start()
+    events_endpoint: str | None = None  # tcp://127.0.0.1:P, bound by the reader's SUB
+    replay_endpoint: str | None = None  # tcp://127.0.0.1:R, bound by the engine
+    topic: str = "kv-events"
+    omp_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: "auto", "nobind", "0", ...
+    omp_num_threads: int | None = None  # OMP_NUM_THREADS (1 with "nobind")
+    seed: int = 0
+    extra_env: Mapping[str, str] = field(default_factory=dict)  # applied last
+    log_path: str | None = None  # None: a new temporary file
+
+    def __post_init__(self) -> None:
+        for name in ("python", "model_dir", "served_model_name"):
+            if not getattr(self, name):
+                raise ValueError(f"{name}={getattr(self, name)!r}: allowed: a non-empty string")
+        if self.block_size <= 0 or self.block_size % BLOCK_SIZE_MULTIPLE:
+            raise ValueError(
+                f"block_size={self.block_size}: allowed: a positive multiple of "
+                f"{BLOCK_SIZE_MULTIPLE} (vLLM's CPU attention backend)"
+            )
+        for name in ("num_gpu_blocks", "max_model_len", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: allowed: > 0")
+        if self.num_gpu_blocks < 2:
+            raise ValueError(
+                f"num_gpu_blocks={self.num_gpu_blocks}: allowed: >= 2 (vLLM reserves one)"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port}: allowed: 0 (pick a free one) to 65535")
+        if self.omp_num_threads is not None and self.omp_num_threads <= 0:
+            raise ValueError(f"omp_num_threads={self.omp_num_threads}: allowed: > 0 or None")
+        if self.events_endpoint is not None:
+            _check_endpoint("events_endpoint", self.events_endpoint)
+        if self.replay_endpoint is not None:
+            if self.events_endpoint is None:
+                raise ValueError(
+                    f"replay_endpoint={self.replay_endpoint!r}: allowed: None when "
+                    "events_endpoint is None (the replay serves the event stream)"
+                )
+            _check_endpoint("replay_endpoint", self.replay_endpoint)
+            if self.replay_endpoint == self.events_endpoint:
+                raise ValueError(
+                    f"replay_endpoint={self.replay_endpoint!r}: allowed: an endpoint other "
+                    "than events_endpoint"
+                )
+
+
+def _check_endpoint(name: str, endpoint: str) -> None:
+    allowed = f"allowed: tcp://{LOOPBACK}:<port 1-65535>"
+    m = _TCP_ENDPOINT.match(endpoint)
+    if m is None:
+        raise ValueError(f"{name}={endpoint!r}: {allowed}")
+    host, port = m.group("host"), m.group("port")
+    if host in _EVERY_INTERFACE or port == "*":
+        raise ValueError(
+            f"{name}={endpoint!r}: it would listen on every interface (vLLM binds an endpoint "
+            f"holding '*' or '::' on all of them, and a wildcard port is unknown to the "
+            f"reader); {allowed}"
+        )
+    if host != LOOPBACK:
+        raise ValueError(f"{name}={endpoint!r}: not loopback; {allowed}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{name}={endpoint!r}: port {port!r}; {allowed}")
+
+
+def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: int = KV_DTYPE_BYTES) -> int:
+    """KV-cache bytes one token takes: 2 (K and V) x layers x kv_heads x head_dim x
+    dtype bytes. The tiny Llama: 2 x 2 x 2 x 32 x 2 = 512."""
+    try:
+        num_layers = int(config["num_hidden_layers"])
+        num_heads = int(config["num_attention_heads"])
+        num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // num_heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise ValueError(
+            f"model config: {e!r}: allowed: num_hidden_layers, num_attention_heads and "
+            "head_dim or hidden_size, all positive integers"
+        ) from e
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def free_loopback_port() -> int:
+    """A port free on 127.0.0.1 now (another process may take it before it is used)."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class VLLMServer:
+    """One vLLM OpenAI server. Owns its process group from start() until stop()."""
+
+    def __init__(self, settings: VLLMServerSettings) -> None:
+        config_path = Path(settings.model_dir) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(
+                f"model_dir={settings.model_dir!r}: allowed: a directory holding config.json"
+            )
+        if not Path(settings.python).is_file():
+            raise ValueError(
+                f"python={settings.python!r}: allowed: the engine virtualenv's interpreter"
+            )
+        self.settings = settings
+        self.kv_cache_memory_bytes = (
+            settings.num_gpu_blocks
+            * settings.block_size
+            * kv_bytes_per_token(json.loads(config_path.read_text()))
+        )
+        self.port = settings.port
+        self.log_path = settings.log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # -- the process -------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        """The API server's pid, also its process group id; None before start()."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The engine's argv (the port resolved by start())."""
+        s = self.settings
+        cmd = [
+            s.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", s.model_dir, "--served-model-name", s.served_model_name,
+            "--host", LOOPBACK, "--port", str(self.port),
+            "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
+            "--dtype", KV_DTYPE, "--seed", str(s.seed),
+            "--enable-prefix-caching", "--block-size", str(s.block_size),
+            "--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes),
+            "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs),
+            "--enable-prompt-tokens-details",
+        ]  # fmt: skip
+        if s.events_endpoint is not None:
+            events: dict[str, Any] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": s.events_endpoint,
+                "topic": s.topic,
+            }
+            if s.replay_endpoint is not None:
+                events["replay_endpoint"] = s.replay_endpoint
+            cmd += ["--kv-events-config", json.dumps(events)]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        """This process's environment, without PYTHONHASHSEED (it would change vLLM's hash
+        seed), no usage reports, offline, dev mode (for /reset_prefix_cache), then
+        the thread settings and `extra_env`."""
+        s = self.settings
+        env = dict(os.environ)
+        env.pop("PYTHONHASHSEED", None)
+        env.update(
+            VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
+            VLLM_SERVER_DEV_MODE="1",
+        )  # fmt: skip
+        if s.omp_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = s.omp_threads_bind
+        if s.omp_num_threads is not None:
+            env["OMP_NUM_THREADS"] = str(s.omp_num_threads)
+        env.update(s.extra_env)
+        return env
+
+    def start(self) -> None:
+        """Spawn the server in a new process group, its output to `log_path`. Returns at
+        once; wait_ready() waits for it to serve."""
+        if self._proc is not None:
+            raise RuntimeError(f"already started (pid {self._proc.pid})")
+        if self.port == 0:
+            self.port = free_loopback_port()
+        if self.log_path is None:
+            fd, self.log_path = tempfile.mkstemp(prefix="kvfold-vllm-", suffix=".log")
+            os.close(fd)
+        group: dict[str, Any] = (
+            {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+        )
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                **group,
+            )
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Poll GET /health until it answers 200. Returns the seconds waited. Raises
+        EngineStartError (with the log tail) if the server exits or `timeout_s` passes;
+        the server is left as it is (stop() it)."""
+        if self._proc is None:
+            raise RuntimeError("not started")
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        while True:
+            rc = self._proc.poll()
+            if rc is not None:
+                raise EngineStartError(f"vLLM exited with {rc} before serving\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() >= deadline:
+                raise EngineStartError(
+                    f"vLLM did not serve /health within {timeout_s} s\n{self.log_tail()}"
+                )
+            time.sleep(0.25)
+
+    def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
+        if self.log_path is None or not os.path.exists(self.log_path):
+            return "(no log)"
+        lines = Path(self.log_path).read_text(errors="replace").splitlines()[-num_lines:]
+        return f"last {len(lines)} lines of {self.log_path}:\n" + "\n".join(lines)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL it if still there after `timeout_s`, and
+        wait until no process of the group is left. Idempotent; a no-op before start()."""
+        if self._proc is None:
+            return
+        pgid = self._proc.pid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and _group_alive(pgid, self._proc):
+            time.sleep(0.1)
+        if _group_alive(pgid, self._proc):
+            _signal_group(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and _group_alive(pgid, self._proc):
+                time.sleep(0.05)
+        self._proc.poll()
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def __enter__(self) -> VLLMServer:
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- HTTP --------------------------------------------------------------------------
+
+    def complete(
+        self, prompt_token_ids: Sequence[int], max_tokens: int, **extra: Any
+    ) -> dict[str, Any]:
+        """POST /v1/completions with token ids, greedy, `ignore_eos`, `return_token_ids`;
+        `extra` adds or overrides body fields. The reply's
+        `usage.prompt_tokens_details.cached_tokens` is the prefix hit in tokens."""
+        if not prompt_token_ids or not all(isinstance(t, int) and t >= 0 for t in prompt_token_ids):
+            raise ValueError(
+                f"prompt_token_ids={list(prompt_token_ids)[:8]!r}...: allowed: a non-empty "
+                "sequence of non-negative ints"
+            )
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens={max_tokens}: allowed: > 0")
+        body = {
+            "model": self.settings.served_model_name,
+            "prompt": list(prompt_token_ids),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **extra,
+        }
+        reply: dict[str, Any] = json.loads(self._http("POST", "/v1/completions", body))
+        return reply
+
+    def metrics_text(self) -> str:
+        """The Prometheus page at GET /metrics."""
+        return self._http("GET", "/metrics").decode()
+
+    def reset_prefix_cache(self) -> None:
+        """POST /reset_prefix_cache (dev mode). On an idle engine the AllBlocksCleared event
+        is published at its next step, so send a request to see it."""
+        self._http("POST", "/reset_prefix_cache")
+
+    def _http(self, method: str, path: str, body: Any = None, timeout_s: float = 120.0) -> bytes:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {} if data is None else {"Content-Type": "application/json"}
+        req = urllib.request.Request(self.base_url + path, data, headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                raw: bytes = r.read()
+                return raw
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            raise EngineRequestError(path, e.code, detail) from e
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise EngineRequestError(path, 0, repr(e)) from e
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int, leader: subprocess.Popen[bytes]) -> bool:
+    """True while a process of group `pgid` runs. The leader is reaped here; other
+    members that died unreaped (zombies) do not count. Linux reads /proc; elsewhere a
+    signal 0 to the group answers."""
+    leader.poll()
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces or parentheses
+        fields = text[text.rfind(")") + 2 :].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
