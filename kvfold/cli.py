@@ -2,7 +2,8 @@
 
 kvfold demo                      embedded cluster (3 nodes x 4 GPUs, world 10), a workload
                                  through admission, a live table, a summary, CSV and PNG
-kvfold up --address HOST:PORT    start kvfold on a running Ray cluster (detached)
+kvfold up --address HOST:PORT    start kvfold on a running Ray cluster (detached); with
+                                 --engine vllm, its ranks read real engines (docs/engines.md)
 kvfold status [--json]           one view, from any terminal
 kvfold top                       the view, live
 kvfold down                      stop kvfold's actors
@@ -25,6 +26,8 @@ from kvfold.cli_args import (
     apply_auth,
     cache_config,
     connect_args,
+    engine_args,
+    engine_endpoints,
     metrics_args,
     ray_env,
 )
@@ -86,9 +89,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     from kvfold.errors import KVFoldError
 
     try:
+        engines = engine_endpoints(args)
+    except ValueError as e:
+        print(f"kvfold up: {e}", file=sys.stderr)
+        return 2
+    world_size = len(engines) if engines else args.world_size
+    try:
         connect(args.address, args.namespace)
         kv = launch(
-            args.world_size,
+            world_size,
             args.gpus_per_node,
             cache=cache_config(args),
             host_num_blocks=args.host_blocks,
@@ -97,6 +106,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             placement_timeout_s=args.timeout,
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
+            engines=engines,
         )
     except KVFoldError as e:
         print(f"kvfold up: {e}", file=sys.stderr)
@@ -136,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     connect_args(u)
     add_cluster_args(u, blocks=1024, tpb=16, windows="full")
     metrics_args(u, port=None)
+    engine_args(u)
     u.add_argument("--timeout", type=float, default=60.0, help="placement timeout (s)")
     u.set_defaults(fn=cmd_up)
     s = sub.add_parser("status", help="print one cluster view")

@@ -83,3 +83,48 @@ def metrics_args(p: argparse.ArgumentParser, port: int | None) -> None:
     p.add_argument(
         "--metrics-port", type=int, default=port, help="port for /metrics (0: any free port)"
     )
+
+
+def engine_args(p: argparse.ArgumentParser) -> None:
+    """Real engines as ranks (docs/engines.md): one --engine-events and --engine-metrics
+    per engine data-parallel rank, in rank order."""
+    p.add_argument("--engine", choices=["vllm"], help="ranks are engines of this kind")
+    p.add_argument("--engine-events", action="append", default=[], metavar="tcp://127.0.0.1:P",
+                   help="where kvfold binds the SUB that rank's engine publishes its KV "
+                   "events to (repeat per rank)")  # fmt: skip
+    p.add_argument("--engine-replay", action="append", default=[], metavar="tcp://127.0.0.1:R",
+                   help="the engine's replay endpoint (repeat per rank, or leave out)")  # fmt: skip
+    p.add_argument("--engine-metrics", action="append", default=[], metavar="URL",
+                   help="the engine's /metrics URL (repeat per rank)")  # fmt: skip
+    p.add_argument("--engine-topic", default="", help="the engines' KV-event topic")
+
+
+def engine_endpoints(args: argparse.Namespace) -> list[Any] | None:
+    """The EngineEndpoints the flags name (None without --engine); ValueError says which
+    flag is wrong, before anything starts."""
+    from kvfold.engines.endpoints import EngineEndpoints
+
+    events, metrics, replay = args.engine_events, args.engine_metrics, args.engine_replay
+    if args.engine is None:
+        if events or metrics or replay:
+            raise ValueError("--engine-events/--engine-metrics/--engine-replay need --engine")
+        return None
+    if not events or len(metrics) != len(events):
+        raise ValueError(
+            f"--engine {args.engine}: one --engine-events and one --engine-metrics per rank, "
+            f"got {len(events)} and {len(metrics)}"
+        )
+    if replay and len(replay) != len(events):
+        raise ValueError(
+            f"--engine-replay: one per rank ({len(events)}) or none, got {len(replay)}"
+        )
+    return [
+        EngineEndpoints(
+            events=e,
+            metrics=m,
+            replay=replay[i] if replay else None,
+            kind=args.engine,
+            topic=args.engine_topic,
+        )
+        for i, (e, m) in enumerate(zip(events, metrics, strict=True))
+    ]

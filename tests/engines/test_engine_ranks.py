@@ -16,7 +16,11 @@ Order matters: one engine, one cluster, growing damage.
 
 from __future__ import annotations
 
+import json
 import random
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +47,7 @@ class Fleet:
     settings: VLLMServerSettings
     server: VLLMServer
     kv: Any
+    cluster: Any = None
 
     def start_engine(self) -> None:
         self.server = VLLMServer(self.settings)
@@ -66,7 +71,7 @@ def fleet(engine_python: str, tiny_llama_dir: str) -> Iterator[Fleet]:
     )
     f = Fleet(settings, VLLMServer(settings), None)
     f.server.start()
-    cluster = start_local_cluster(num_nodes=1, gpus_per_node=1)
+    cluster = f.cluster = start_local_cluster(num_nodes=1, gpus_per_node=1)
     try:
         f.server.wait_ready(240)
         endpoints = EngineEndpoints(
@@ -79,9 +84,20 @@ def fleet(engine_python: str, tiny_llama_dir: str) -> Iterator[Fleet]:
         yield f
     finally:
         if f.kv is not None:
-            f.kv.shutdown()
+            f.kv.shutdown()  # idempotent: the CLI test may have stopped it
         f.server.stop()
         cluster.shutdown()
+
+
+def bindable(endpoint: str) -> bool:
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as zmq binds
+        try:
+            probe.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
 
 
 def held(f: Fleet) -> set[bytes]:
@@ -208,3 +224,42 @@ def test_a_killed_engine_is_dead_and_a_restarted_one_a_new_incarnation(fleet: Fl
     wait_until(back, timeout_s=60)
     wait_until(lambda: settled(f, other), timeout_s=30)
     assert indexed(f) == set(block_keys(other, B)[: len(other) // B])  # only the new life's
+
+
+def test_kvfold_up_reads_the_engine_from_the_command_line(fleet: Fleet) -> None:
+    """`kvfold up --engine vllm ...` in another process, on the same engine; `kvfold
+    status --json` shows the engine's numbers and what it does not publish."""
+    f = fleet
+    f.kv.shutdown()  # frees the events endpoint for the new deployment
+    s = f.settings
+    wait_until(lambda: bindable(str(s.events_endpoint)), timeout_s=30)  # kills are async
+    cli = [sys.executable, "-m", "kvfold.cli"]
+    where = ["--address", f.cluster.address, "--namespace", "kv-engine-up"]
+    engine = [
+        "--engine", "vllm",
+        "--engine-events", str(s.events_endpoint),
+        "--engine-replay", str(s.replay_endpoint),
+        "--engine-metrics", f.server.base_url + "/metrics",
+        "--engine-topic", s.topic,
+        "--gpus-per-node", "1",
+    ]  # fmt: skip
+    up = subprocess.run([*cli, "up", *where, *engine], capture_output=True, text=True, timeout=300)
+    try:
+        assert up.returncode == 0, up.stderr[-2000:]
+        assert "unknown: cached (ranks [0])" in up.stdout
+        prompt = [random.Random(11).randrange(1, 1024) for _ in range(100)]
+        f.server.complete(prompt, max_tokens=2)
+
+        def status() -> dict[str, Any]:
+            out = subprocess.run(
+                [*cli, "status", "--json", *where], capture_output=True, text=True, timeout=120
+            )
+            assert out.returncode == 0, out.stderr[-2000:]
+            return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+        view = status()
+        assert view["unknown"] == {"cached": [0], "committed": [0], "deltas": [0]}
+        assert view["totals"]["gpu"]["num_blocks_total"] == BLOCKS
+    finally:
+        down = subprocess.run([*cli, "down", *where], capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stderr[-2000:]
