@@ -25,7 +25,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import pytest
+import zmq
 
 from kvfold.cluster import launch, start_local_cluster
 from kvfold.engines.endpoints import EngineEndpoints
@@ -194,6 +196,54 @@ def test_reset_prefix_cache_empties_the_index(fleet: Fleet) -> None:
     f.server.reset_prefix_cache()
     f.server.complete([1, 2, 3, 4, 5], max_tokens=1)  # the reset is published on a step
     wait_until(lambda: not held(f) and not indexed(f), timeout_s=30)
+
+
+def test_a_hostile_publisher_is_refused_counted_and_changes_nothing(fleet: Fleet) -> None:
+    """A second publisher on the engine rank's events endpoint floods it with garbage:
+    each message is refused and counted by reason; the index, the engine's stream and
+    the rank stay as they were."""
+    f = fleet
+    prompt = [random.Random(8).randrange(1, 1024) for _ in range(100)]
+    f.server.complete(prompt, max_tokens=2)
+    wait_until(lambda: settled(f, prompt), timeout_s=30)
+    before = indexed(f)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(str(f.settings.events_endpoint))
+    garbage = [
+        [b"kv-events", b"\0" * 8, b"\xc1not msgpack"],  # bad_msgpack
+        [b"kv-events", b"\0" * 3, b"\x90"],  # bad_frame
+        [b"kv-events", (2**40).to_bytes(8, "big"),
+         msgpack.packb([0.0, [{"type": "BlockExploded"}], 0])],  # unknown_event
+    ]  # fmt: skip
+
+    def refused() -> int:
+        return sum(f.kv.rank(0).info()["refused"].values())
+
+    try:
+        start = refused()
+
+        def joined() -> bool:  # a PUB drops what it sends before the subscription arrives
+            pub.send_multipart(garbage[0])
+            return refused() > start
+
+        wait_until(joined, timeout_s=30, interval_s=0.1)
+        start = refused()
+        flood = 3000
+        for i in range(flood):
+            pub.send_multipart(garbage[i % 3])
+        wait_until(lambda: refused() == start + flood, timeout_s=60)
+    finally:
+        pub.close()
+        ctx.term()
+    info = f.kv.rank(0).info()
+    assert {"bad_msgpack", "bad_frame", "unknown_event"} <= set(info["refused"])
+    assert indexed(f) == before == held(f)
+    other = [random.Random(12).randrange(1, 1024) for _ in range(100)]
+    predicted = f.kv.client.index().match(other).gpu.get(0, 0) * B
+    assert cached_tokens(f.server.complete(other, max_tokens=2)) == predicted
+    wait_until(lambda: settled(f, other), timeout_s=30)  # the engine's stream goes on
 
 
 def test_a_killed_engine_is_dead_and_a_restarted_one_a_new_incarnation(fleet: Fleet) -> None:
