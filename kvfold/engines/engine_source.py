@@ -3,6 +3,7 @@ kvfold block events keyed by content (kvfold.engines.content_keys). Pure; no Ray
 sockets: the shell hands in the live stream's messages and the replay's answers.
 
     take_live(frames, now_s) -> [kvfold event, ...]     decode, order, apply
+    take_batch(batch, now_s) -> [kvfold event, ...]     the same, decoded elsewhere
     wanted_replay() -> seq | None                        a gap: ask the replay socket
     take_replay([frames, ...], now_s) -> [event, ...]   what the replay answered
     replay_failed(now_s) -> [event, ...]                 it did not answer in time
@@ -68,6 +69,11 @@ class EngineSource:
         except WireError as e:
             self.refused[e.reason] += 1
             return []
+        return self._take(batch, now_s)
+
+    def take_batch(self, batch: EngineBatch, now_s: float) -> list[Event]:
+        """One batch already decoded (an engine whose wire is not vLLM's ZMQ frames:
+        SGLang's, TensorRT-LLM's), in the live stream's order."""
         return self._take(batch, now_s)
 
     def _take(self, batch: EngineBatch, now_s: float) -> list[Event]:

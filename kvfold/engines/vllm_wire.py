@@ -149,7 +149,35 @@ def decode_payload(seq: int, payload: Any) -> EngineBatch:
         raise WireError("too_large", f"{len(raw)} events in one batch > {MAX_EVENTS}")
     if dp is not None and (type(dp) is not int or dp < 0):
         raise WireError("bad_batch", f"data_parallel_rank must be an int >= 0 or nil, got {dp!r}")
-    return EngineBatch(seq, float(ts), tuple(_event(e) for e in raw), dp)
+    return EngineBatch(seq, float(ts), _events(raw), dp)
+
+
+def _events(raw: list[Any]) -> tuple[EngineEvent, ...]:
+    """The batch's events, in order; a run of BlockRemoved maps of one group and medium
+    (vLLM sends one per evicted block) becomes one EngineRemoved, read on a fast path."""
+    out: list[EngineEvent] = []
+    run: list[EngineHash] = []
+    run_key: tuple[int, str] = (0, "GPU")
+    for item in raw:
+        if type(item) is dict and item.get("type") == "BlockRemoved":
+            key = (_int(item.get("group_idx", 0) or 0, "BlockRemoved.group_idx"),
+                   _medium(item.get("medium")))  # fmt: skip
+            hashes = _hashes(item.get("block_hashes"), "BlockRemoved.block_hashes")
+            if run and key != run_key:
+                out.append(EngineRemoved(tuple(run), *run_key))
+                run = []
+            run_key = key
+            run += hashes
+            continue
+        if run:
+            out.append(EngineRemoved(tuple(run), *run_key))
+            run = []
+        out.append(_event(item))
+    if run:
+        if len(run) > MAX_HASHES:
+            raise WireError("too_large", f"{len(run)} blocks removed in one batch > {MAX_HASHES}")
+        out.append(EngineRemoved(tuple(run), *run_key))
+    return tuple(out)
 
 
 _POSITIONAL = {
