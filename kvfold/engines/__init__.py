@@ -6,6 +6,9 @@ without importing them, and turned into kvfold's rank reports and block events.
     content_keys  an engine's blocks keyed by kvfold's own prefix keys (never its hashes)
     engine_source one engine's event stream: order, gaps, replay, restarts, the live set
     vllm_server   runs a real vLLM OpenAI server (tests, benchmarks, a user's trial)
+    sglang_wire, sglang_metrics     SGLang's KV events (vLLM's design) and /metrics (tokens)
+    trtllm_events, trtllm_stats     TensorRT-LLM's KV cache events (JSON) and iteration stats
+    endpoints     where an engine rank reads its engine (checked: loopback binds only)
 
-Pure cores; the Ray shell that reads the sockets stands above them.
+Pure cores; the Ray shell that reads the sockets (engine_rank_actor) stands above them.
 """

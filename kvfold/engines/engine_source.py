@@ -102,10 +102,9 @@ class EngineSource:
         return self.expected if self.kept and self.expected is not None else None
 
     def take_replay(self, answer: Iterable[list[bytes]], now_s: float) -> list[Event]:
-        """The replay socket's answer to `wanted_replay()`, every message up to its end
-        marker: the missing batches are applied in order; if the replay no longer holds
-        the first of them, the source is out of sync."""
-        got: dict[int, EngineBatch] = {}
+        """vLLM's replay socket's answer to `wanted_replay()`, every message up to its
+        end marker (kvfold.engines.vllm_wire.decode_replay)."""
+        got: list[EngineBatch] = []
         for frames in answer:
             try:
                 batch = decode_replay(frames)
@@ -114,13 +113,20 @@ class EngineSource:
                 continue
             if batch is None:
                 break
-            got[batch.seq] = batch
+            got.append(batch)
+        return self.take_replay_batches(got, now_s)
+
+    def take_replay_batches(self, batches: Iterable[EngineBatch], now_s: float) -> list[Event]:
+        """A replay's batches, decoded (any engine's replay): the missing ones are applied
+        in order; if the replay no longer holds the first of them, the source is out of
+        sync."""
+        got = list(batches)
         if self.expected is None or not self.kept:
             return []
         self.counts["replayed"] += len(got)
-        for seq, batch in got.items():
-            if seq >= self.expected:
-                self.kept.setdefault(seq, batch)
+        for batch in got:
+            if batch.seq >= self.expected:
+                self.kept.setdefault(batch.seq, batch)
         if self.expected not in self.kept:
             return self._give_up(now_s)
         return self._drain()

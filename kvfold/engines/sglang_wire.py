@@ -42,8 +42,9 @@ What kvfold makes of it:
   - component_type (hybrid models): "full" is window group 0, "swa" group 1, "mamba" group
     2 with its tokens dropped (a mamba checkpoint is one leaf state, not a prefix chain).
 
-Anything wrong raises WireError with a short reason (counted by the caller). The functions
-at the end feed an EngineSource until it takes decoded batches itself.
+Anything wrong raises WireError with a short reason (counted by the caller). take_live and
+take_replay at the end feed an EngineSource (its own take_live / take_replay read vLLM's
+payloads).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
+import numpy as np
 
 from kvfold.engines.vllm_wire import (
     END_SEQ,
@@ -151,7 +153,33 @@ def decode_payload(seq: int, payload: Any) -> EngineBatch:
         raise WireError("too_large", f"{len(raw)} events in one batch > {MAX_EVENTS}")
     if dp is not None and (type(dp) is not int or not 0 <= dp < 2**31):
         raise WireError("bad_batch", f"attn_dp_rank must be an int >= 0 or nil, got {dp!r}")
-    return EngineBatch(seq, float(ts), tuple(_event(e) for e in raw), dp)
+    return EngineBatch(seq, float(ts), _merged(_event(e) for e in raw), dp)
+
+
+def _merged(events: Iterable[EngineEvent]) -> tuple[EngineEvent, ...]:
+    """The events in order, a run of EngineRemoved of one group and medium as one (SGLang
+    sends a BlockRemoved per page)."""
+    out: list[EngineEvent] = []
+    run: list[EngineHash] = []
+    run_key = (0, "GPU")
+    for ev in events:
+        if type(ev) is EngineRemoved:
+            key = (ev.group_idx, ev.medium)
+            if run and key != run_key:
+                out.append(EngineRemoved(tuple(run), *run_key))
+                run = []
+            run_key = key
+            run += ev.block_hashes
+            continue
+        if run:
+            out.append(EngineRemoved(tuple(run), *run_key))
+            run = []
+        out.append(ev)
+    if run:
+        if len(run) > MAX_HASHES:
+            raise WireError("too_large", f"{len(run)} blocks removed in one batch > {MAX_HASHES}")
+        out.append(EngineRemoved(tuple(run), *run_key))
+    return tuple(out)
 
 
 def _event(item: Any) -> EngineEvent:
@@ -235,7 +263,8 @@ def _stored(m: dict[Any, Any]) -> EngineStored:
 
 
 def _tokens(value: Any, want: int) -> tuple[int, ...]:
-    """Token ids, one per position: ints, or EAGLE bigram pairs (kept as no tokens)."""
+    """Token ids, one per position: ints, or EAGLE bigram pairs (kept as no tokens).
+    Checked at C speed (a coalesced event carries many pages)."""
     if value is None or value == []:
         return ()
     if not isinstance(value, list):
@@ -243,14 +272,22 @@ def _tokens(value: Any, want: int) -> tuple[int, ...]:
     if len(value) != want:
         raise WireError("bad_field", f"BlockStored.token_ids has {len(value)} entries, the "
                         f"blocks hold {want}")  # fmt: skip
-    if all(type(t) is int and 0 <= t < MAX_TOKEN_ID for t in value):
-        return tuple(value)
-    if all(
-        isinstance(t, list) and len(t) == 2 and all(type(x) is int and x >= 0 for x in t)
-        for t in value
+    try:
+        arr = np.array(value)
+    except (ValueError, TypeError, OverflowError):
+        arr = None
+    if (
+        arr is None
+        or arr.dtype.kind not in "iu"
+        or arr.ndim not in (1, 2)
+        or (arr.ndim == 2 and arr.shape[1] != 2)
+        or int(arr.min()) < 0
+        or int(arr.max()) >= MAX_TOKEN_ID
     ):
-        return ()  # bigram pages: not kvfold's tokens
-    raise WireError("bad_field", "BlockStored.token_ids must be token ids (ints) or pairs")
+        raise WireError("bad_field", "BlockStored.token_ids must be token ids or id pairs")
+    if arr.ndim == 2:
+        return ()  # EAGLE bigram pages: not kvfold's tokens
+    return tuple(value)
 
 
 def _component(m: dict[Any, Any]) -> tuple[int, bool]:
@@ -307,14 +344,14 @@ def take_live(source: EngineSource, frames: list[bytes], now_s: float) -> list[E
     except WireError as e:
         source.refused[e.reason] += 1
         return []
-    return source._take(batch, now_s)
+    return source.take_batch(batch, now_s)
 
 
 def take_replay(source: EngineSource, answer: Iterable[list[bytes]], now_s: float) -> list[Event]:
     """SGLang's replay answer to `source.wanted_replay()`, every message up to the end
     marker: the missing batches in order; if the replay no longer holds the first of them,
     the source goes out of sync (no false credit)."""
-    got: dict[int, EngineBatch] = {}
+    got: list[EngineBatch] = []
     for frames in answer:
         try:
             batch = decode_replay(frames)
@@ -323,18 +360,8 @@ def take_replay(source: EngineSource, answer: Iterable[list[bytes]], now_s: floa
             continue
         if batch is None:
             break
-        got[batch.seq] = batch
-    if source.wanted_replay() is None:
-        return []
-    source.counts["replayed"] += len(got)
-    out: list[Event] = []
-    for seq in sorted(got):
-        expected = source.expected
-        if expected is not None and seq >= expected:
-            out += source._take(got[seq], now_s)
-    if source.wanted_replay() is not None:  # the replay began past the gap
-        out += source.replay_failed(now_s)
-    return out
+        got.append(batch)
+    return source.take_replay_batches(got, now_s)
 
 
 __all__ = [
