@@ -160,9 +160,21 @@ def _events(raw: list[Any]) -> tuple[EngineEvent, ...]:
     run_key: tuple[int, str] = (0, "GPU")
     for item in raw:
         if type(item) is dict and item.get("type") == "BlockRemoved":
-            key = (_int(item.get("group_idx", 0) or 0, "BlockRemoved.group_idx"),
-                   _medium(item.get("medium")))  # fmt: skip
-            hashes = _hashes(item.get("block_hashes"), "BlockRemoved.block_hashes")
+            hashes = item.get("block_hashes")
+            g = item.get("group_idx", 0) or 0
+            if (  # vLLM's own shape, checked inline: one int hash, on the GPU
+                type(hashes) is list
+                and len(hashes) == 1
+                and type(hashes[0]) is int
+                and 0 <= hashes[0] < 2**64
+                and type(g) is int
+                and 0 <= g < 2**31
+                and item.get("medium", "GPU") == "GPU"
+            ):
+                key = (g, "GPU")
+            else:
+                key = (_int(g, "BlockRemoved.group_idx"), _medium(item.get("medium")))
+                hashes = _hashes(hashes, "BlockRemoved.block_hashes")
             if run and key != run_key:
                 out.append(EngineRemoved(tuple(run), *run_key))
                 run = []
