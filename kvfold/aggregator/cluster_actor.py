@@ -85,6 +85,7 @@ class ClusterAggregator:
         self.blocks = IndexFeed(BlockIndex(self.topology.as_list()))
         self.blocks_lock = threading.Lock()
         self.events_refused = 0
+        self._asked: dict[tuple[str, int], tuple[Any, float]] = {}  # snapshots asked, when
         self.events_error: str | None = None
         # notices freshness changes (a node going stale) even when no report arrives
         self.loop = BackgroundLoop("kvfold aggregator ticker", report_interval_s / 2, self._tick)
@@ -165,8 +166,8 @@ class ClusterAggregator:
         first, waiters woken on a new version. Holds cond."""
         before = self.state.version
         view = self.state.view(time.monotonic(), time.time())
+        self._hand_on()  # nothing to do unless a counter moved (or the last put failed)
         if view.version != before:
-            self._hand_on()
             self.cond.notify_all()
         return view
 
@@ -284,25 +285,35 @@ class ClusterAggregator:
             for source in gone:
                 feed.drop(source)
             wanted = feed.wanted()
-        asked = []
+        self._collect_snapshots(wanted)
+
+    def _collect_snapshots(self, wanted: list[tuple[str, int]]) -> None:
+        """Install the snapshots that came since the last tick, and ask the sources still
+        out of sync that have no question pending (again after SNAPSHOT_TIMEOUT_S).
+        Never waits: the next tick's drops must not wait on a slow source."""
+        now = time.monotonic()
+        if self._asked:
+            refs = [ref for ref, _ in self._asked.values()]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            done = set(ready)
+            for source, (ref, asked_at) in list(self._asked.items()):
+                if ref in done:
+                    del self._asked[source]
+                    try:
+                        snap = ray.get(ref)
+                    except ray.exceptions.RayError:
+                        continue
+                    with self.blocks_lock:  # each as it comes: fewer batches kept aside
+                        self.blocks.install(snap)
+                elif now - asked_at > SNAPSHOT_TIMEOUT_S:
+                    del self._asked[source]  # asked again below
         for kind, i in wanted:
+            if (kind, i) in self._asked:
+                continue
             name = rank_actor_name(i) if kind == RANK else node_actor_name(i)
             actor = named_actor(name, self.namespace)
             if actor is not None:
-                asked.append(actor.block_snapshot.remote())
-        if not asked:
-            return
-        deadline = time.monotonic() + SNAPSHOT_TIMEOUT_S
-        while asked:  # each as it comes: the sooner installed, the fewer batches kept
-            ready, asked = ray.wait(asked, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                return  # asked again next time
-            try:
-                snap = ray.get(ready[0])
-            except ray.exceptions.RayError:
-                continue
-            with self.blocks_lock:
-                self.blocks.install(snap)
+                self._asked[(kind, i)] = (actor.block_snapshot.remote(), now)
 
     def memory_rss_bytes(self) -> int:
         """Resident memory of this process (for soak tests and operators)."""

@@ -84,7 +84,8 @@ class IndexFeed:
     def __init__(self, index: BlockIndex, log_size: int = 4096) -> None:
         self.index = index
         self.streams: dict[Source, _Stream] = {}
-        self._dropped: dict[Source, deque[int]] = {}  # the lives of dropped sources
+        # dropped sources: (the life dropped, the lives it had retired)
+        self._dropped: dict[Source, tuple[int, deque[int]]] = {}
         self.log: deque[Op] = deque(maxlen=log_size)
         self.epoch = secrets.randbits(62) | 1
         self.num_ops = 0  # ops appended so far; the log holds the last len(log) of them
@@ -117,18 +118,23 @@ class IndexFeed:
         self.index.check_source(source)
         st = self.streams.get(source)
         if st is None or st.incarnation != env.incarnation:
-            retired = st.retired if st is not None else self._dropped.get(source, ())
+            dropped = self._dropped.get(source) if st is None else None
+            retired = st.retired if st is not None else dropped[1] if dropped else ()
             if env.incarnation in retired:
                 return self._count("stale_incarnation")
             fresh = _Stream(env.incarnation)
             fresh.retired.extend(retired)
             if st is not None:
                 fresh.retired.append(st.incarnation)
+            again = dropped is not None and dropped[0] == env.incarnation
+            if dropped is not None and not again:
+                fresh.retired.append(dropped[0])  # a new life: the dropped one is over
             self._dropped.pop(source, None)
             self.streams[source] = st = fresh
             if source in self.index.held:
                 self._op(("drop", source))  # a new incarnation: the old one's keys are gone
-            if env.seq != 1 or not env.batch.events:  # joined late: what it held is unknown
+            # joined late, or a dropped life come back: what it holds is unknown
+            if env.seq != 1 or not env.batch.events or again:
                 st.synced = False
                 self.counts["gaps"] += 1
         if not env.batch.events:  # a heartbeat: only says where the source stands
@@ -194,8 +200,9 @@ class IndexFeed:
         if it comes back (late batches of the lives it had retired are still ignored)."""
         st = self.streams.pop(source, None)
         if st is not None:  # its own life may come back (silence is not always death): a
-            # stream of it opens out of sync, credited only from a snapshot
-            self._dropped[source] = deque(st.retired, maxlen=MAX_RETIRED)
+            # stream of it opens out of sync, credited only from a snapshot; a later life
+            # retires it
+            self._dropped[source] = (st.incarnation, deque(st.retired, maxlen=MAX_RETIRED))
         if source in self.index.held:
             self._op(("drop", source))
             self.counts["dropped"] += 1

@@ -10,8 +10,10 @@ them is alive. A source (a rank's GPU cache, a node's host tier) is gone when:
 
 unless the stream is known to be newer than what the view shows (the view's life is
 among the stream's retired ones: a restarted source whose events came before its
-report did). A stream dropped in a race with a report heals itself: its next batch
-opens a new stream, out of sync, and a snapshot puts its keys back.
+report did). A dead node's ranks go whatever their stream: nothing of a new life can
+reach the view through a node that is gone. A stream dropped in a race with a report
+heals itself: its next batch opens a new stream, out of sync, and a snapshot puts its
+keys back.
 """
 
 from __future__ import annotations
@@ -37,11 +39,15 @@ def sources_gone(
     source in any life."""
     rank_states = view.rank_states()
     rank_incarnations = {r.rank: r.incarnation for n in view.nodes for r in n.ranks}
+    node_dead = {r.rank for n in view.nodes if n.state is SourceState.DEAD for r in n.ranks}
     out: list[Source] = []
     for source in sources:
         kind, i = source
         if kind == RANK:
             if not 0 <= i < len(rank_states):
+                continue
+            if i in node_dead:  # its node is dead or removed: whatever life it is in
+                out.append(source)
                 continue
             state, seen = rank_states[i], rank_incarnations.get(i, 0)
         elif kind == HOST:

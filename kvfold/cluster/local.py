@@ -24,8 +24,9 @@ from kvfold.ray_env import save_token, secure_embedded_cluster
 log = logging.getLogger("kvfold.cluster")
 
 IMPORT_FIRST = (
-    "import kvfold.cluster before ray, or set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, "
-    "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<secret> in the environment before `import ray`"
+    "call start_local_cluster() before `import ray`, or set "
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<secret> in "
+    "the environment before `import ray`"
 )
 
 FAST_HEALTH_CHECKS = {

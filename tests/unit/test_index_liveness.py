@@ -107,3 +107,29 @@ def test_late_batches_of_a_retired_life_stay_out_after_a_drop() -> None:
     assert feed.ingest(stored(RANK, 2, 9, 1, 500)) == "applied"  # life 9 retires life 1
     feed.drop((RANK, 2))
     assert feed.ingest(stored(RANK, 2, 1, 2, 999)) == "stale_incarnation"
+
+
+def test_a_dead_nodes_rank_leaves_even_when_its_stream_is_a_newer_life() -> None:
+    """Rank 2 restarted after its node actor died for good: its events reach the index,
+    its reports never will, so the view keeps the old life, dead. It is not credited."""
+    feed = feed_with_everyone()
+    assert feed.ingest(stored(RANK, 2, 7, 1, 300)) == "applied"  # life 7, life 1 retired
+    view = view_of({0: FRESH, 1: DEAD})  # the view still shows life 1, its node dead
+    assert (RANK, 2) in gone(view, feed, NODE_INCS)
+
+
+def test_a_late_batch_of_a_dropped_life_never_displaces_its_successor() -> None:
+    feed = feed_with_everyone()
+    feed.drop((RANK, 2))  # the view showed a new life (9) before its events came
+    assert feed.ingest(stored(RANK, 2, 9, 1, 600)) == "applied"
+    assert feed.ingest(stored(RANK, 2, 1, 2, 999)) == "stale_incarnation"  # late, life 1
+    assert feed.index.keys_of((RANK, 2)) == {0: {600}}
+    assert feed.ingest(stored(RANK, 2, 9, 2, 601)) == "applied"
+
+
+def test_a_dropped_life_coming_back_at_its_first_batch_is_not_credited_yet() -> None:
+    feed = IndexFeed(BlockIndex(TOPO.as_list()))
+    assert feed.ingest(stored(RANK, 1, 5, 1, 700)) == "applied"
+    feed.drop((RANK, 1))  # silent past dead_after_s
+    assert feed.ingest(stored(RANK, 1, 5, 1, 700)) == "kept"  # a resend of seq 1: unknown
+    assert feed.index.keys_of((RANK, 1)) == {} and (RANK, 1) in feed.wanted()
