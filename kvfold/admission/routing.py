@@ -131,7 +131,9 @@ class RankChooser:
         self.blocks: Replica | None = None  # the cluster block index, for precise_prefix
         # precise_prefix: prompts this controller sent that the index may not show yet
         self.sent = SentPrefixes(weights.sent_ttl_s)
-        self._key_to_rank: OrderedDict[bytes, int] = OrderedDict()  # approx_prefix, LRU
+        # approx_prefix, LRU: key -> (rank, the request that sent it there last)
+        self._key_to_rank: OrderedDict[bytes, tuple[int, str]] = OrderedDict()
+        self._request_keys: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()
         self._affinity_keys = affinity_keys
         self._rng = np.random.default_rng(list(seed))
         self._turn = -1  # round_robin: the last rank chosen
@@ -173,9 +175,10 @@ class RankChooser:
         if router is Router.APPROX_PREFIX and keys:
             best, best_len = -1, 0
             for i, key in enumerate(keys):
-                r = self._key_to_rank.get(key)
-                if r is None:
+                held = self._key_to_rank.get(key)
+                if held is None:
                     break
+                r = held[0]
                 if fits[r] and i + 1 > best_len:
                     best, best_len = r, i + 1
             if best >= 0:
@@ -191,18 +194,28 @@ class RankChooser:
     def sent_to(self, request: AdmissionRequest, rank: int, now_s: float) -> None:
         """The request was admitted to `rank`: remember where its prompt went."""
         if self.router is Router.APPROX_PREFIX:
-            table = self._key_to_rank
+            table, rid = self._key_to_rank, request.request_id
             for k in request.prefix_keys:
-                table[k] = rank
+                table[k] = (rank, rid)
                 table.move_to_end(k)
             while len(table) > self._affinity_keys:
                 table.popitem(last=False)
+            sent = self._request_keys
+            sent[rid] = tuple(request.prefix_keys)
+            sent.move_to_end(rid)
+            while len(sent) > self._affinity_keys // 8 + 1:  # bounded: the oldest forgotten
+                sent.popitem(last=False)
         elif self.router is Router.PRECISE_PREFIX:
             self.sent.add(request.request_id, request.prefix_keys, rank, now_s)
 
     def release(self, request_id: str) -> None:
         """The request will not reach its rank: its prompt no longer counts as sent there
-        (precise_prefix; approx_prefix's table is a long-lived memory of keys, not of
-        requests, and keeps it)."""
+        (for approx_prefix, the keys whose last sending was this request's)."""
         if self.router is Router.PRECISE_PREFIX:
             self.sent.release(request_id)
+        elif self.router is Router.APPROX_PREFIX:
+            table = self._key_to_rank
+            for k in self._request_keys.pop(request_id, ()):
+                held = table.get(k)
+                if held is not None and held[1] == request_id:
+                    del table[k]

@@ -241,6 +241,23 @@ def test_a_released_admission_is_not_a_prefix_holder() -> None:
     assert len(ctl.policy.chooser.sent) == 8  # E's own sending
 
 
+def test_approx_prefix_forgets_a_released_request_too() -> None:
+    topo = Topology(2, 2)
+    views = [make_view(topo, total=100)]
+    ctl = AdmissionController(lambda: views[-1], router="approx_prefix", clock=lambda: 0.0)
+    keys = tuple(block_keys(np.arange(33), 4))
+    a = ctl.decide(AdmissionRequest("a", 33, 1, keys))
+    assert (a.rank, a.prefix_blocks) == (0, 0)
+    assert ctl.release("a")
+    b = ctl.decide(AdmissionRequest("b", 33, 1, keys))
+    assert (b.reason, b.prefix_blocks) == ("fits", 0)  # nothing credited to rank 0
+    c = ctl.decide(AdmissionRequest("c", 33, 1, keys))
+    assert (c.rank, c.reason, c.prefix_blocks) == (b.rank, "fits_prefix", 8)  # B's sending
+    assert ctl.release("b")  # C sent the same keys since: they stay, for C
+    d = ctl.decide(AdmissionRequest("d", 33, 1, keys))
+    assert (d.rank, d.reason, d.prefix_blocks) == (b.rank, "fits_prefix", 8)
+
+
 def test_fifo_queue_stops_at_the_first_queue_and_drops_rejects() -> None:
     topo = Topology(1, 1)
     view = make_view(topo, total=10)
