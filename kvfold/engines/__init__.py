@@ -7,7 +7,8 @@ without importing them, and turned into kvfold's rank reports and block events.
     engine_source one engine's event stream: order, gaps, replay, restarts, the live set
     vllm_server   runs a real vLLM OpenAI server (tests, benchmarks, a user's trial)
     sglang_wire, sglang_metrics     SGLang's KV events (vLLM's design) and /metrics (tokens)
-    trtllm_events, trtllm_stats     TensorRT-LLM's KV cache events (JSON) and iteration stats
+    trtllm_decode, trtllm_events    TensorRT-LLM's KV cache events: decoded (JSON), translated
+    trtllm_stats  TensorRT-LLM's iteration stats (kvCacheStats)
     endpoints     where an engine rank reads its engine (checked: loopback binds only)
 
 Pure cores; the Ray shell that reads the sockets (engine_rank_actor) stands above them.
