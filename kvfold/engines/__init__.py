@@ -5,7 +5,8 @@ without importing them, and turned into kvfold's rank reports and block events.
     vllm_metrics  vLLM's /metrics page: the numbers of a rank it publishes
     content_keys  an engine's blocks keyed by kvfold's own prefix keys (never its hashes)
     engine_source one engine's event stream: order, gaps, replay, restarts, the live set
-    vllm_server   runs a real vLLM OpenAI server (tests, benchmarks, a user's trial)
+    vllm_settings, vllm_server      a trial vLLM OpenAI server: its checked settings, the
+                                    process (tests, benchmarks, a user's trial)
     sglang_wire, sglang_metrics     SGLang's KV events (vLLM's design) and /metrics (tokens)
     trtllm_decode, trtllm_events    TensorRT-LLM's KV cache events: decoded (JSON), translated
     trtllm_stats  TensorRT-LLM's iteration stats (kvCacheStats)
