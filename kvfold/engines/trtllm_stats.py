@@ -7,7 +7,8 @@ Pure; no Ray, no HTTP.
                                        "tokensPerBlock", "allocTotalBlocks", "allocNewBlocks",
                                        "reusedBlocks", "missedBlocks", "cacheHitRate"}}, ...]
 
-    parse_trtllm_stats(body) -> TRTLLMStats      the latest iteration's numbers
+    parse_trtllm_stats(body) -> TRTLLMStats                 the latest iteration's numbers
+    parse_trtllm_iterations(body) -> [TRTLLMStats, ...]     every one on the page, oldest first
 
 TensorRT-LLM counts in blocks of tokensPerBlock tokens. A field the page does not carry
 stays None: unknown, never 0. A page that is not such a list, or whose values are out of
@@ -68,7 +69,15 @@ _TOP_FIELDS = {
 
 def parse_trtllm_stats(body: bytes | str) -> TRTLLMStats:
     """trtllm-serve's /metrics answer (a JSON list of iteration stats): the latest one's
-    numbers. An empty list (no iteration yet) gives every field None."""
+    numbers. An empty list (no iteration since the last answer) gives every field None."""
+    iterations = parse_trtllm_iterations(body)
+    return iterations[-1] if iterations else TRTLLMStats()
+
+
+def parse_trtllm_iterations(body: bytes | str) -> list[TRTLLMStats]:
+    """Every iteration's numbers on the page, oldest first (by `iter`; in page order where
+    none says). trtllm-serve's /metrics drains the engine's stats queue: each answer holds
+    the iterations since the previous one, and an idle engine answers []."""
     if isinstance(body, (bytes, bytearray, str)) and len(body) > MAX_PAGE_BYTES:
         raise MetricsError(f"stats page of {len(body)} bytes > {MAX_PAGE_BYTES}")
     try:
@@ -77,15 +86,20 @@ def parse_trtllm_stats(body: bytes | str) -> TRTLLMStats:
         raise MetricsError(f"not JSON: {type(e).__name__}: {e}"[:300]) from None
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
         raise MetricsError("iteration stats are a JSON list of objects")
-    if not items:
-        return TRTLLMStats()
-    # the highest iteration (the last one listed when none says)
-    _, _, latest = max((i.get("iter") if type(i.get("iter")) is int else -1, n, i)
-                       for n, i in enumerate(items))  # fmt: skip
+    order = sorted(range(len(items)), key=lambda n: (_iteration(items[n]), n))
+    return [_stats(items[n]) for n in order]
+
+
+def _iteration(item: dict[str, Any]) -> int:
+    it = item.get("iter")
+    return it if type(it) is int else -1
+
+
+def _stats(item: dict[str, Any]) -> TRTLLMStats:
     fields: dict[str, Any] = {}
     for key, name in _TOP_FIELDS.items():
-        fields[name] = _count(latest.get(key), key)
-    kv = latest.get("kvCacheStats")
+        fields[name] = _count(item.get(key), key)
+    kv = item.get("kvCacheStats")
     if kv is not None:
         if not isinstance(kv, dict):
             raise MetricsError("kvCacheStats is a JSON object")
@@ -111,4 +125,4 @@ def _count(value: Any, what: str) -> int | None:
     return value
 
 
-__all__ = ["TRTLLMStats", "parse_trtllm_stats"]
+__all__ = ["TRTLLMStats", "parse_trtllm_iterations", "parse_trtllm_stats"]
