@@ -3,7 +3,8 @@
 kvfold demo                      embedded cluster (3 nodes x 4 GPUs, world 10), a workload
                                  through admission, a live table, a summary, CSV and PNG
 kvfold up --address HOST:PORT    start kvfold on a running Ray cluster (detached); with
-                                 --engine vllm, its ranks read real engines (docs/engines.md)
+                                 --engine vllm|sglang|trtllm, its ranks read real engines
+                                 (docs/engines.md)
 kvfold status [--json]           one view, from any terminal
 kvfold top                       the view, live
 kvfold down                      stop kvfold's actors

@@ -88,15 +88,21 @@ def metrics_args(p: argparse.ArgumentParser, port: int | None) -> None:
 def engine_args(p: argparse.ArgumentParser) -> None:
     """Real engines as ranks (docs/engines.md): one --engine-events and --engine-metrics
     per engine data-parallel rank, in rank order."""
-    p.add_argument("--engine", choices=["vllm"], help="ranks are engines of this kind")
-    p.add_argument("--engine-events", action="append", default=[], metavar="tcp://127.0.0.1:P",
-                   help="where kvfold binds the SUB that rank's engine publishes its KV "
-                   "events to (repeat per rank)")  # fmt: skip
+    p.add_argument("--engine", choices=["vllm", "sglang", "trtllm"],
+                   help="ranks are engines of this kind")  # fmt: skip
+    p.add_argument("--engine-events", action="append", default=[], metavar="ENDPOINT",
+                   help="vllm, sglang: tcp://127.0.0.1:P, where kvfold binds the SUB that "
+                   "rank's engine publishes its KV events to; trtllm: the engine's base URL "
+                   "http://HOST:PORT (kvfold POSTs /kv_cache_events); repeat per rank")  # fmt: skip
     p.add_argument("--engine-replay", action="append", default=[], metavar="tcp://127.0.0.1:R",
-                   help="the engine's replay endpoint (repeat per rank, or leave out)")  # fmt: skip
+                   help="the engine's replay endpoint (vllm, sglang; repeat per rank, or leave "
+                   "out)")  # fmt: skip
     p.add_argument("--engine-metrics", action="append", default=[], metavar="URL",
                    help="the engine's /metrics URL (repeat per rank)")  # fmt: skip
     p.add_argument("--engine-topic", default="", help="the engines' KV-event topic")
+    p.add_argument("--engine-page-size", type=int, default=None, metavar="TOKENS",
+                   help="sglang, trtllm: tokens per block (SGLang's --page-size) when the "
+                   "engine's numbers page does not say it")  # fmt: skip
 
 
 def engine_endpoints(args: argparse.Namespace) -> list[Any] | None:
@@ -106,8 +112,10 @@ def engine_endpoints(args: argparse.Namespace) -> list[Any] | None:
 
     events, metrics, replay = args.engine_events, args.engine_metrics, args.engine_replay
     if args.engine is None:
-        if events or metrics or replay:
-            raise ValueError("--engine-events/--engine-metrics/--engine-replay need --engine")
+        if events or metrics or replay or args.engine_page_size is not None:
+            raise ValueError(
+                "--engine-events/--engine-metrics/--engine-replay/--engine-page-size need --engine"
+            )
         return None
     if not events or len(metrics) != len(events):
         raise ValueError(
@@ -125,6 +133,7 @@ def engine_endpoints(args: argparse.Namespace) -> list[Any] | None:
             replay=replay[i] if replay else None,
             kind=args.engine,
             topic=args.engine_topic,
+            tokens_per_block=args.engine_page_size,
         )
         for i, (e, m) in enumerate(zip(events, metrics, strict=True))
     ]

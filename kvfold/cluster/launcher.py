@@ -115,9 +115,10 @@ def launch(
     engine_factory: the engine each rank runs over its cache (kvfold.worker.engine);
     kvfold's simulated engine by default, None for ranks driven only by their API.
     engines: real engines as ranks (DESIGN §10), one EngineEndpoints per rank, in rank
-    order: each rank is an EngineRankActor reading what its engine publishes (its KV
-    events and /metrics), instead of a kvfold cache (`cache` then only names the
-    windows; vLLM's full attention is the default's).
+    order, of any kind (vLLM, SGLang, TensorRT-LLM; kinds may be mixed): each rank is an
+    EngineRankActor reading what its engine publishes (its KV events and its numbers
+    page), instead of a kvfold cache (`cache` then only names the windows; full
+    attention is the default's).
     """
     if namespace is None:
         namespace = ray.get_runtime_context().namespace if ray.is_initialized() else None

@@ -11,6 +11,10 @@ without importing them, and turned into kvfold's rank reports and block events.
     trtllm_decode, trtllm_events    TensorRT-LLM's KV cache events: decoded (JSON), translated
     trtllm_stats  TensorRT-LLM's iteration stats (kvCacheStats)
     endpoints     where an engine rank reads its engine (checked: loopback binds only)
+    engine_numbers  a numbers page in kvfold's units (blocks), and what it cannot give
+    kinds         what differs per engine kind: its decoders and its numbers page
+    engine_intake one engine rank's incoming events, shared by its reader threads
+    engine_readers  the threads that read them: ZMQ (vLLM, SGLang), HTTP polls (TRT-LLM)
 
-Pure cores; the Ray shell that reads the sockets (engine_rank_actor) stands above them.
+Pure cores and the reader threads; the Ray shell (engine_rank_actor) stands above them.
 """

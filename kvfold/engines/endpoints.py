@@ -1,14 +1,29 @@
 """EngineEndpoints: where one engine data-parallel rank publishes, as kvfold reads it.
 Pure; checked before anything starts.
 
+vLLM and SGLang publish KV events on ZMQ:
+
     events   tcp://127.0.0.1:P    kvfold binds its SUB socket here and the engine's PUB
-                                  connects (vLLM connects whenever its endpoint has no
+                                  connects (both connect whenever their endpoint has no
                                   `*`); kvfold binds loopback only, never every interface
     replay   tcp://127.0.0.1:R    the engine's replay ROUTER (the engine binds it); None:
                                   no replay, so a lost batch puts the source out of sync
-    metrics  http://127.0.0.1:M/metrics
     topic    the engine's configured topic ("" by default)
-    engine   the `engine` label of this rank's series on a page with several
+
+TensorRT-LLM hands them out over HTTP:
+
+    events   http://HOST:PORT     trtllm-serve's base URL: kvfold POSTs /kv_cache_events
+    replay   None                 (there is none: a lost event puts the source out of sync)
+    topic    ""
+
+For every kind:
+
+    metrics  http://127.0.0.1:M/metrics    the numbers page (TensorRT-LLM: iteration stats)
+    engine   which rank of the page: vLLM's `engine` label, SGLang's `dp_rank` label,
+             TensorRT-LLM's attention_dp_rank (digits)
+    tokens_per_block   SGLang and TensorRT-LLM: the engine's page size, for pages that do
+             not say it (older SGLang); checked against the page when both do. vLLM: None
+             (its page always says)
 """
 
 from __future__ import annotations
@@ -16,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-ENGINE_KINDS = ("vllm",)
+ENGINE_KINDS = ("vllm", "sglang", "trtllm")
+ZMQ_KINDS = ("vllm", "sglang")  # a SUB kvfold binds, the engine's replay ROUTER
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
@@ -28,18 +44,47 @@ class EngineEndpoints:
     kind: str = "vllm"
     topic: str = ""
     engine: str = "0"
+    tokens_per_block: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"kind must be one of {list(ENGINE_KINDS)}, got {self.kind!r}")
-        _loopback_tcp("events", self.events)
-        if self.replay is not None:
-            _loopback_tcp("replay", self.replay)
-        url = urlsplit(self.metrics) if isinstance(self.metrics, str) else None
-        if url is None or url.scheme not in ("http", "https") or not url.hostname:
-            raise ValueError(f"metrics must be an http(s) URL, got {self.metrics!r}")
         if not isinstance(self.topic, str) or not isinstance(self.engine, str):
             raise TypeError("topic and engine must be str")
+        if self.kind in ZMQ_KINDS:
+            _loopback_tcp("events", self.events)
+            if self.replay is not None:
+                _loopback_tcp("replay", self.replay)
+        else:
+            _http_url("events", self.events, "TensorRT-LLM's base URL, http://HOST:PORT")
+            if self.replay is not None:
+                raise ValueError(
+                    f"replay must be None for kind {self.kind!r} (TensorRT-LLM has no replay "
+                    f"socket), got {self.replay!r}"
+                )
+            if self.topic:
+                raise ValueError(f"topic must be '' for kind {self.kind!r}, got {self.topic!r}")
+            if not self.engine.isdigit():
+                raise ValueError(
+                    f"engine must be the attention_dp_rank in digits for kind {self.kind!r}, "
+                    f"got {self.engine!r}"
+                )
+        _http_url("metrics", self.metrics, "an http(s) URL")
+        tpb = self.tokens_per_block
+        if tpb is not None:
+            if self.kind == "vllm":
+                raise ValueError(
+                    f"tokens_per_block must be None for kind 'vllm' (its page says its block "
+                    f"size), got {tpb!r}"
+                )
+            if type(tpb) is not int or tpb < 1:
+                raise ValueError(f"tokens_per_block must be an int >= 1 or None, got {tpb!r}")
+
+
+def _http_url(name: str, value: object, allowed: str) -> None:
+    url = urlsplit(value) if isinstance(value, str) else None
+    if url is None or url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 def _loopback_tcp(name: str, endpoint: object) -> None:
@@ -56,4 +101,4 @@ def _loopback_tcp(name: str, endpoint: object) -> None:
         raise ValueError(f"{name} needs a port in 1..65535, got {endpoint!r}")
 
 
-__all__ = ["ENGINE_KINDS", "EngineEndpoints"]
+__all__ = ["ENGINE_KINDS", "ZMQ_KINDS", "EngineEndpoints"]
