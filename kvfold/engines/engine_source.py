@@ -13,8 +13,10 @@ The stream's sequence numbers start at 0 per engine process:
     seq == expected          applied, then whatever was kept after it
     seq >  expected          kept aside (at most MAX_KEPT batches); the replay is asked
                              for the missing ones
-    seq <  expected          the engine restarted: everything it held is gone
-                             (AllBlocksCleared), the stream starts over at this batch
+    seq <  expected          a batch the replay already gave (the same seq and ts):
+                             a duplicate, dropped; otherwise the engine restarted:
+                             everything it held is gone (AllBlocksCleared), the stream
+                             starts over at this batch
     the replay cannot fill   out of sync (DESIGN §10): the source's entries leave the
     the gap                  index (AllBlocksCleared) and come back only as the engine
                              stores blocks again; `out_of_sync_since_s` says since when
@@ -57,6 +59,9 @@ class EngineSource:
         self.block_size = 0
         self.out_of_sync_since_s: float | None = None
         self.last_ts = 0.0  # the engine's clock on the last batch applied
+        # seq -> ts of the batches the last replay gave, until the live stream passes them:
+        # a replay answers up to the engine's latest batch, some still on their way live
+        self.replayed: dict[int, float] = {}
         self.refused: Counter[str] = Counter()
         self.counts: Counter[str] = Counter()  # applied, kept, gaps, restarts, out_of_sync, ...
 
@@ -80,6 +85,11 @@ class EngineSource:
         out: list[Event] = []
         if self.expected is None:
             self.expected = 0  # a stream joined late: 0.. must come from the replay
+        if batch.seq < self.expected and self.replayed.get(batch.seq) == batch.ts:
+            self.counts["duplicates"] += 1  # the replay gave it first
+            return out
+        if self.replayed:
+            self.replayed.clear()
         if batch.seq < self.expected:
             self.counts["restarts"] += 1
             out += self._clear()
@@ -127,6 +137,7 @@ class EngineSource:
         for batch in got:
             if batch.seq >= self.expected:
                 self.kept.setdefault(batch.seq, batch)
+                self.replayed[batch.seq] = batch.ts
         if self.expected not in self.kept:
             return self._give_up(now_s)
         return self._drain()
@@ -163,6 +174,7 @@ class EngineSource:
         one came): what the old one held is gone; the stream starts over."""
         self.counts["restarts"] += 1
         self.kept.clear()
+        self.replayed.clear()
         self.expected = None
         self.out_of_sync_since_s = None
         return self._clear()

@@ -124,6 +124,22 @@ def test_a_lost_batch_is_filled_from_the_replay() -> None:
     assert index.keys_of(SOURCE)[0] == final_keys()
 
 
+def test_live_batches_the_replay_already_gave_are_duplicates_not_a_restart() -> None:
+    """A replay answers up to the engine's latest batch: the live copies of those still on
+    their way come after it, and are dropped (the same seq and ts), never read as the
+    engine starting over."""
+    source, index = EngineSource(), BlockIndex([0])
+    last = TRUTH["last_seq"]
+    feed(source, index, LIVE[:5])
+    feed(source, index, LIVE[6:7])  # batch 5 lost; 6 shows the gap, 7.. still on their way
+    index.apply(SOURCE, source.take_replay(REPLAY, 1.0))  # 5..19
+    feed(source, index, LIVE[7 : last + 1])  # the live copies arrive: 13 duplicates
+    assert source.counts["duplicates"] == last + 1 - 7 and source.counts["restarts"] == 0
+    assert index.keys_of(SOURCE)[0] == final_keys()
+    feed(source, index, LIVE[:1])  # seq 0 again, not from the replay: a new engine process
+    assert source.counts["restarts"] == 1
+
+
 def test_a_gap_the_replay_no_longer_covers_leaves_no_false_credit() -> None:
     source, index = EngineSource(), BlockIndex([0])
     feed(source, index, LIVE[:5])
