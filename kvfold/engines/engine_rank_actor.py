@@ -37,7 +37,7 @@ from kvfold.engines.kinds import engine_kind
 from kvfold.engines.vllm_metrics import MetricsError
 from kvfold.naming import node_actor_name
 from kvfold.ray_actor import BackgroundLoop, EventPublisher, InFlight, named_actor
-from kvfold.stats import BlockGauges, RankReport, SequenceStatus
+from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus
 from kvfold.topology import Topology
 
 METRICS_TIMEOUT_S = 1.0
@@ -67,6 +67,7 @@ class EngineRankActor:
         self.incarnation = secrets.randbits(62) | 1
         self.events = EventPublisher(RANK, rank, self.incarnation, namespace)
         self.numbers: EngineNumbers | None = None
+        self._unsent: BlockDeltas | None = None  # counted since the last report sent
         self.metrics_error: str | None = None
         self.metrics_failures = 0
         self.seq = 0
@@ -114,7 +115,10 @@ class EngineRankActor:
                 text = r.read(16 * 1024 * 1024).decode("utf-8", "replace")
             numbers = self.kind.read_numbers(text, self.endpoints, self.numbers)
             self._notice_restart(numbers)
-            self.numbers, self.metrics_error = numbers, None
+            with self.lock:
+                self.numbers, self.metrics_error = numbers, None
+                if numbers.deltas is not None:  # summed until a report carries them
+                    self._unsent = numbers.deltas + (self._unsent or BlockDeltas())
         except (OSError, urllib.error.URLError, MetricsError, ValueError) as e:
             self.metrics_failures += 1
             self.metrics_error = f"{type(e).__name__}: {e}"[:300]
@@ -138,6 +142,7 @@ class EngineRankActor:
         with self.lock:
             self.seq += 1
             report = self._build(self.seq)
+            self._unsent = None
         self._inflight.add(node.report.remote(encode_rank_report(report)), None)
         self._inflight.settle(lambda _a, _t: None, lambda _e, _t: None)
         self.reports += 1
@@ -156,7 +161,7 @@ class EngineRankActor:
             incarnation=self.incarnation,
             seq=seq,
             gpu={None: gauges},
-            deltas={} if n.deltas is None else {None: n.deltas},
+            deltas={} if n.deltas is None else {None: self._unsent or BlockDeltas()},
             num_sequences_by_status=statuses,
             unknown=n.unknown,
         )
