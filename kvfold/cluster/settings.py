@@ -60,3 +60,9 @@ class LaunchSettings:
             binds = [e.events for e in self.engines]
             if len(set(binds)) != len(binds):
                 raise ValueError(f"engines: each rank needs its own events endpoint, got {binds}")
+            drained = [e.metrics for e in self.engines if e.kind == "trtllm"]
+            if len(set(drained)) != len(drained):
+                raise ValueError(
+                    "engines: trtllm-serve's /metrics drains its stats queue, so each trtllm "
+                    f"rank needs its own metrics URL, got {drained}"
+                )

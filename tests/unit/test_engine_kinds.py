@@ -261,3 +261,22 @@ def test_kvfold_up_flags_for_each_kind() -> None:
         engine_endpoints(parse("--engine-page-size", "16"))
     with pytest.raises(SystemExit):
         parse("--engine", "tgi")
+
+
+def test_a_launch_refuses_two_trtllm_ranks_draining_one_page() -> None:
+    from kvfold.cluster.settings import LaunchSettings
+
+    def settings(*engines: EngineEndpoints) -> LaunchSettings:
+        return LaunchSettings(
+            world_size=len(engines), gpus_per_node=None, cache=None, host_num_blocks=0,
+            report_interval_s=0.1, stale_after_s=0.3, dead_after_s=3.0, namespace="ns",
+            placement_timeout_s=1.0, detached=False, gpus_per_rank=1.0, rank_max_restarts=0,
+            engines=engines,
+        )  # fmt: skip
+
+    other = EngineEndpoints(events="http://127.0.0.1:8001", metrics=TRTLLM.metrics, kind="trtllm")
+    with pytest.raises(ValueError, match="drains its stats queue"):
+        settings(TRTLLM, other)
+    with pytest.raises(ValueError, match="its own events endpoint"):
+        settings(SGLANG, SGLANG)
+    assert len(settings(SGLANG, TRTLLM).engines) == 2  # kinds may be mixed
