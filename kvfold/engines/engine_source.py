@@ -30,7 +30,7 @@ what a snapshot of this source hands the cluster index.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvfold.blockindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvfold.engines.content_keys import ContentKeys
@@ -111,13 +111,18 @@ class EngineSource:
         """The seq the replay should start from, while a gap is open."""
         return self.expected if self.kept and self.expected is not None else None
 
-    def take_replay(self, answer: Iterable[list[bytes]], now_s: float) -> list[Event]:
-        """vLLM's replay socket's answer to `wanted_replay()`, every message up to its
-        end marker (kvfold.engines.vllm_wire.decode_replay)."""
+    def take_replay(
+        self,
+        answer: Iterable[list[bytes]],
+        now_s: float,
+        decode: Callable[[list[bytes]], EngineBatch | None] = decode_replay,
+    ) -> list[Event]:
+        """The replay socket's answer to `wanted_replay()`, every message up to its end
+        marker, read with `decode` (vLLM's by default; SGLang's leaves out the topic)."""
         got: list[EngineBatch] = []
         for frames in answer:
             try:
-                batch = decode_replay(frames)
+                batch = decode(frames)
             except WireError as e:
                 self.refused[e.reason] += 1
                 continue

@@ -52,15 +52,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import numpy as np
 
 from kvfold.engines.vllm_wire import (
     END_SEQ,
-    MAX_EVENTS,
     MAX_HASH_BYTES,
     MAX_HASHES,
-    MAX_PAYLOAD_BYTES,
     MAX_TOKEN_ID,
     EngineBatch,
     EngineCleared,
@@ -69,7 +66,10 @@ from kvfold.engines.vllm_wire import (
     EngineRemoved,
     EngineStored,
     WireError,
+    frame_count,
     replay_request,
+    seq_of,
+    unpack_batch,
 )
 
 if TYPE_CHECKING:
@@ -101,8 +101,8 @@ _POSITIONAL = {
 def decode_live(frames: list[bytes]) -> EngineBatch:
     """One message of the live stream: [topic, seq, payload]."""
     if not isinstance(frames, list) or len(frames) != 3:
-        raise WireError("bad_frame", f"a live message has 3 frames, got {_count(frames)}")
-    return decode_payload(_seq(frames[1]), frames[2])
+        raise WireError("bad_frame", f"a live message has 3 frames, got {frame_count(frames)}")
+    return decode_payload(seq_of(frames[1]), frames[2])
 
 
 def decode_replay(frames: list[bytes]) -> EngineBatch | None:
@@ -110,50 +110,19 @@ def decode_replay(frames: list[bytes]) -> EngineBatch | None:
     marker [b"", ff * 8, b""]."""
     if not isinstance(frames, list) or len(frames) != 3 or frames[0] != b"":
         raise WireError("bad_frame", f"an SGLang replay message is [b'', seq, payload], got "
-                        f"{_count(frames)} frames")  # fmt: skip
-    seq = _seq(frames[1])
+                        f"{frame_count(frames)} frames")  # fmt: skip
+    seq = seq_of(frames[1])
     if seq == END_SEQ:
         return None
     return decode_payload(seq, frames[2])
-
-
-def _count(frames: Any) -> str:
-    return str(len(frames)) if isinstance(frames, list) else type(frames).__name__
-
-
-def _seq(frame: Any) -> int:
-    if not isinstance(frame, (bytes, bytearray)) or len(frame) != 8:
-        raise WireError("bad_frame", "the sequence number must be 8 bytes, big-endian")
-    return int.from_bytes(frame, "big")
 
 
 # ------------------------------------------------------------------ payload
 
 
 def decode_payload(seq: int, payload: Any) -> EngineBatch:
-    if not isinstance(payload, (bytes, bytearray)):
-        raise WireError("bad_frame", f"a payload must be bytes, got {type(payload).__name__}")
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise WireError("too_large", f"{len(payload)} bytes > {MAX_PAYLOAD_BYTES}")
-    try:
-        msg = msgpack.unpackb(
-            payload, raw=False, strict_map_key=False, max_array_len=MAX_HASHES * 64
-        )
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise WireError("bad_msgpack", f"{type(e).__name__}: {e}"[:200]) from None
-    if not isinstance(msg, list) or len(msg) not in (2, 3):
-        raise WireError("bad_batch", "a batch must be [ts, events, attn_dp_rank]")
-    ts, raw = msg[0], msg[1]
-    dp = msg[2] if len(msg) == 3 else None
-    if type(ts) not in (int, float):
-        raise WireError("bad_batch", f"ts must be a number, got {type(ts).__name__}")
-    if not isinstance(raw, list):
-        raise WireError("bad_batch", f"events must be a list, got {type(raw).__name__}")
-    if len(raw) > MAX_EVENTS:
-        raise WireError("too_large", f"{len(raw)} events in one batch > {MAX_EVENTS}")
-    if dp is not None and (type(dp) is not int or not 0 <= dp < 2**31):
-        raise WireError("bad_batch", f"attn_dp_rank must be an int >= 0 or nil, got {dp!r}")
-    return EngineBatch(seq, float(ts), _merged(_event(e) for e in raw), dp)
+    ts, raw, dp = unpack_batch(payload, "attn_dp_rank")
+    return EngineBatch(seq, ts, _merged(_event(e) for e in raw), dp)
 
 
 def _merged(events: Iterable[EngineEvent]) -> tuple[EngineEvent, ...]:
@@ -351,17 +320,7 @@ def take_replay(source: EngineSource, answer: Iterable[list[bytes]], now_s: floa
     """SGLang's replay answer to `source.wanted_replay()`, every message up to the end
     marker: the missing batches in order; if the replay no longer holds the first of them,
     the source goes out of sync (no false credit)."""
-    got: list[EngineBatch] = []
-    for frames in answer:
-        try:
-            batch = decode_replay(frames)
-        except WireError as e:
-            source.refused[e.reason] += 1
-            continue
-        if batch is None:
-            break
-        got.append(batch)
-    return source.take_replay_batches(got, now_s)
+    return source.take_replay(answer, now_s, decode_replay)
 
 
 __all__ = [

@@ -89,8 +89,8 @@ class EngineBatch:
 def decode_live(frames: list[bytes]) -> EngineBatch:
     """One message of the live stream: [topic, seq, payload]."""
     if not isinstance(frames, list) or len(frames) != 3:
-        raise WireError("bad_frame", f"a live message has 3 frames, got {_count(frames)}")
-    return decode_payload(_seq(frames[1]), frames[2])
+        raise WireError("bad_frame", f"a live message has 3 frames, got {frame_count(frames)}")
+    return decode_payload(seq_of(frames[1]), frames[2])
 
 
 def decode_replay(frames: list[bytes]) -> EngineBatch | None:
@@ -98,9 +98,9 @@ def decode_replay(frames: list[bytes]) -> EngineBatch | None:
     [b"", topic, seq, payload] and SGLang's [b"", seq, payload]."""
     if not isinstance(frames, list) or len(frames) not in (3, 4) or frames[0] != b"":
         raise WireError("bad_frame", f"a replay message is [b'', (topic,) seq, payload], got "
-                        f"{_count(frames)} frames")  # fmt: skip
+                        f"{frame_count(frames)} frames")  # fmt: skip
     seq_frame, payload = frames[-2], frames[-1]
-    seq = _seq(seq_frame)
+    seq = seq_of(seq_frame)
     if seq == END_SEQ:
         return None
     return decode_payload(seq, payload)
@@ -113,11 +113,12 @@ def replay_request(start_seq: int) -> list[bytes]:
     return [b"", start_seq.to_bytes(8, "big")]
 
 
-def _count(frames: Any) -> str:
+def frame_count(frames: Any) -> str:
     return str(len(frames)) if isinstance(frames, list) else type(frames).__name__
 
 
-def _seq(frame: Any) -> int:
+def seq_of(frame: Any) -> int:
+    """A frame's sequence number (8 bytes, big-endian)."""
     if not isinstance(frame, (bytes, bytearray)) or len(frame) != 8:
         raise WireError("bad_frame", "the sequence number must be 8 bytes, big-endian")
     return int.from_bytes(frame, "big")
@@ -127,6 +128,13 @@ def _seq(frame: Any) -> int:
 
 
 def decode_payload(seq: int, payload: Any) -> EngineBatch:
+    ts, raw, dp = unpack_batch(payload, "data_parallel_rank")
+    return EngineBatch(seq, ts, _events(raw), dp)
+
+
+def unpack_batch(payload: Any, rank_field: str) -> tuple[float, list[Any], int | None]:
+    """(ts, raw events, rank) of a batch payload `[ts, events(, rank)]`, checked: what
+    vLLM's and SGLang's publishers share (`rank_field` names the third field)."""
     if not isinstance(payload, (bytes, bytearray)):
         raise WireError("bad_frame", f"a payload must be bytes, got {type(payload).__name__}")
     if len(payload) > MAX_PAYLOAD_BYTES:
@@ -138,7 +146,7 @@ def decode_payload(seq: int, payload: Any) -> EngineBatch:
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise WireError("bad_msgpack", f"{type(e).__name__}: {e}"[:200]) from None
     if not isinstance(msg, list) or len(msg) not in (2, 3):
-        raise WireError("bad_batch", "a batch must be [ts, events, data_parallel_rank]")
+        raise WireError("bad_batch", f"a batch must be [ts, events, {rank_field}]")
     ts, raw = msg[0], msg[1]
     dp = msg[2] if len(msg) == 3 else None
     if type(ts) not in (int, float):
@@ -147,9 +155,9 @@ def decode_payload(seq: int, payload: Any) -> EngineBatch:
         raise WireError("bad_batch", f"events must be a list, got {type(raw).__name__}")
     if len(raw) > MAX_EVENTS:
         raise WireError("too_large", f"{len(raw)} events in one batch > {MAX_EVENTS}")
-    if dp is not None and (type(dp) is not int or dp < 0):
-        raise WireError("bad_batch", f"data_parallel_rank must be an int >= 0 or nil, got {dp!r}")
-    return EngineBatch(seq, float(ts), _events(raw), dp)
+    if dp is not None and (type(dp) is not int or not 0 <= dp < 2**31):
+        raise WireError("bad_batch", f"{rank_field} must be an int >= 0 or nil, got {dp!r}")
+    return float(ts), raw, dp
 
 
 def _events(raw: list[Any]) -> tuple[EngineEvent, ...]:
