@@ -67,10 +67,16 @@ class EngineSource:
 
     # ------------------------------------------------------------------ intake
 
-    def take_live(self, frames: list[bytes], now_s: float) -> list[Event]:
-        """One message of the live stream; the kvfold events it makes (maybe none)."""
+    def take_live(
+        self,
+        frames: list[bytes],
+        now_s: float,
+        decode: Callable[[list[bytes]], EngineBatch] = decode_live,
+    ) -> list[Event]:
+        """One message of the live stream, read with `decode` (vLLM's by default); the
+        kvfold events it makes (maybe none)."""
         try:
-            batch = decode_live(frames)
+            batch = decode(frames)
         except WireError as e:
             self.refused[e.reason] += 1
             return []

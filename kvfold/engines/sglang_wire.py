@@ -56,7 +56,6 @@ import numpy as np
 
 from kvfold.engines.vllm_wire import (
     END_SEQ,
-    MAX_HASH_BYTES,
     MAX_HASHES,
     MAX_TOKEN_ID,
     EngineBatch,
@@ -66,6 +65,10 @@ from kvfold.engines.vllm_wire import (
     EngineRemoved,
     EngineStored,
     WireError,
+    check_hash,
+    check_hashes,
+    check_int,
+    check_medium,
     frame_count,
     replay_request,
     seq_of,
@@ -163,7 +166,7 @@ def _event(item: Any) -> EngineEvent:
     if kind in _REMOVED_TAGS:
         group, _ = _component(item)
         return EngineRemoved(
-            _hashes(item.get("block_hashes"), "BlockRemoved.block_hashes"),
+            check_hashes(item.get("block_hashes"), "BlockRemoved.block_hashes"),
             group,
             _medium(item.get("medium")),
         )
@@ -197,19 +200,19 @@ def _from_positional(item: list[Any]) -> dict[Any, Any]:
 
 
 def _stored(m: dict[Any, Any]) -> EngineStored:
-    hashes = _hashes(m.get("block_hashes"), "BlockStored.block_hashes")
+    hashes = check_hashes(m.get("block_hashes"), "BlockStored.block_hashes")
     n = len(hashes)
-    size = _int(m.get("block_size"), "BlockStored.block_size", 1)
+    size = check_int(m.get("block_size"), "BlockStored.block_size", 1)
     tokens = _tokens(m.get("token_ids"), size * n)
     parent_raw = m.get("parent_block_hash")
-    parent = None if parent_raw is None else _hash(parent_raw, "parent_block_hash")
+    parent = None if parent_raw is None else check_hash(parent_raw, "parent_block_hash")
     if parent == ROOT_PARENT_HASH:
         parent = None
     group, drop_tokens = _component(m)
     extra: list[Any] = []
     lora = m.get("lora_id")
     if lora is not None:
-        extra.append(("sglang-lora", _int(lora, "BlockStored.lora_id")))
+        extra.append(("sglang-lora", check_int(lora, "BlockStored.lora_id")))
     salt = m.get("cache_salt")
     metadata = m.get("metadata")
     if metadata is not None:
@@ -270,35 +273,8 @@ def _component(m: dict[Any, Any]) -> tuple[int, bool]:
     return group, kind == "mamba"
 
 
-def _hashes(value: Any, what: str) -> tuple[EngineHash, ...]:
-    if not isinstance(value, list) or not value:
-        raise WireError("bad_field", f"{what} must be a non-empty list of hashes")
-    if len(value) > MAX_HASHES:
-        raise WireError("too_large", f"{what}: {len(value)} hashes > {MAX_HASHES}")
-    return tuple(_hash(h, what) for h in value)
-
-
-def _hash(h: Any, what: str) -> EngineHash:
-    if type(h) is int and -(2**63) <= h < 2**64:
-        return h
-    if isinstance(h, bytes) and 0 < len(h) <= MAX_HASH_BYTES:
-        return h
-    raise WireError("bad_field", f"{what}: a hash is a 64-bit int or 1..{MAX_HASH_BYTES} "
-                    f"bytes, got {type(h).__name__}")  # fmt: skip
-
-
-def _int(value: Any, what: str, lo: int = 0) -> int:
-    if type(value) is not int or not lo <= value < 2**31:
-        raise WireError("bad_field", f"{what} must be an int >= {lo}, got {str(value)[:40]}")
-    return value
-
-
 def _medium(value: Any) -> str:
-    if value is None:
-        return "GPU"
-    if not isinstance(value, str) or not 0 < len(value) <= 32:
-        raise WireError("bad_field", f"medium must be a short str, got {str(value)[:40]!r}")
-    upper = value.upper()
+    upper = check_medium(value)
     return MEDIUMS.get(upper, upper)
 
 
@@ -308,12 +284,7 @@ def _medium(value: Any) -> str:
 def take_live(source: EngineSource, frames: list[bytes], now_s: float) -> list[Event]:
     """One SGLang live message into `source`: what EngineSource.take_live does for vLLM.
     Refused output is counted in `source.refused` and changes nothing."""
-    try:
-        batch = decode_live(frames)
-    except WireError as e:
-        source.refused[e.reason] += 1
-        return []
-    return source.take_batch(batch, now_s)
+    return source.take_live(frames, now_s, decode_live)
 
 
 def take_replay(source: EngineSource, answer: Iterable[list[bytes]], now_s: float) -> list[Event]:

@@ -181,8 +181,8 @@ def _events(raw: list[Any]) -> tuple[EngineEvent, ...]:
             ):
                 key = (g, "GPU")
             else:
-                key = (_int(g, "BlockRemoved.group_idx"), _medium(item.get("medium")))
-                hashes = _hashes(hashes, "BlockRemoved.block_hashes")
+                key = (check_int(g, "BlockRemoved.group_idx"), check_medium(item.get("medium")))
+                hashes = check_hashes(hashes, "BlockRemoved.block_hashes")
             if run and key != run_key:
                 out.append(EngineRemoved(tuple(run), *run_key))
                 run = []
@@ -224,9 +224,9 @@ def _event(item: Any) -> EngineEvent:
         return _stored(item)
     if kind == "BlockRemoved":
         return EngineRemoved(
-            _hashes(item.get("block_hashes"), "BlockRemoved.block_hashes"),
-            _int(item.get("group_idx", 0) or 0, "BlockRemoved.group_idx"),
-            _medium(item.get("medium")),
+            check_hashes(item.get("block_hashes"), "BlockRemoved.block_hashes"),
+            check_int(item.get("group_idx", 0) or 0, "BlockRemoved.group_idx"),
+            check_medium(item.get("medium")),
         )
     if kind == "AllBlocksCleared":
         return EngineCleared()
@@ -234,9 +234,9 @@ def _event(item: Any) -> EngineEvent:
 
 
 def _stored(m: dict[Any, Any]) -> EngineStored:
-    hashes = _hashes(m.get("block_hashes"), "BlockStored.block_hashes")
+    hashes = check_hashes(m.get("block_hashes"), "BlockStored.block_hashes")
     parent = m.get("parent_block_hash")
-    size = _int(m.get("block_size"), "BlockStored.block_size", 1)
+    size = check_int(m.get("block_size"), "BlockStored.block_size", 1)
     tokens = m.get("token_ids") or []
     if not isinstance(tokens, list) or not _token_ids_ok(tokens):
         raise WireError("bad_field", "BlockStored.token_ids must be a list of token ids")
@@ -252,14 +252,14 @@ def _stored(m: dict[Any, Any]) -> EngineStored:
     window = m.get("kv_cache_spec_sliding_window")
     return EngineStored(
         block_hashes=hashes,
-        parent_block_hash=None if parent is None else _hash(parent, "parent_block_hash"),
+        parent_block_hash=None if parent is None else check_hash(parent, "parent_block_hash"),
         token_ids=tuple(tokens),
         block_size=size,
-        group_idx=_int(m.get("group_idx", 0) or 0, "BlockStored.group_idx"),
-        medium=_medium(m.get("medium")),
+        group_idx=check_int(m.get("group_idx", 0) or 0, "BlockStored.group_idx"),
+        medium=check_medium(m.get("medium")),
         extra_keys=None if extra is None else tuple(_frozen(k) for k in extra),
         lora_name=lora,
-        sliding_window=None if window is None else _int(window, "sliding window", 1),
+        sliding_window=None if window is None else check_int(window, "sliding window", 1),
     )
 
 
@@ -280,15 +280,15 @@ def _token_ids_ok(tokens: list[Any]) -> bool:
     )
 
 
-def _hashes(value: Any, what: str) -> tuple[EngineHash, ...]:
+def check_hashes(value: Any, what: str) -> tuple[EngineHash, ...]:
     if not isinstance(value, list) or not value:
         raise WireError("bad_field", f"{what} must be a non-empty list of hashes")
     if len(value) > MAX_HASHES:
         raise WireError("too_large", f"{what}: {len(value)} hashes > {MAX_HASHES}")
-    return tuple(_hash(h, what) for h in value)
+    return tuple(check_hash(h, what) for h in value)
 
 
-def _hash(h: Any, what: str) -> EngineHash:
+def check_hash(h: Any, what: str) -> EngineHash:
     if type(h) is int and -(2**63) <= h < 2**64:
         return h
     if isinstance(h, bytes) and 0 < len(h) <= MAX_HASH_BYTES:
@@ -297,13 +297,13 @@ def _hash(h: Any, what: str) -> EngineHash:
                     f"bytes, got {type(h).__name__}")  # fmt: skip
 
 
-def _int(value: Any, what: str, lo: int = 0) -> int:
+def check_int(value: Any, what: str, lo: int = 0) -> int:
     if type(value) is not int or not lo <= value < 2**31:
         raise WireError("bad_field", f"{what} must be an int >= {lo}, got {str(value)[:40]}")
     return value
 
 
-def _medium(value: Any) -> str:
+def check_medium(value: Any) -> str:
     if value is None:
         return "GPU"
     if not isinstance(value, str) or not 0 < len(value) <= 32:
