@@ -15,7 +15,7 @@ import ray
 from ray.exceptions import RayError
 
 from kvfold.blockindex.events import HOST, RANK
-from kvfold.errors import NodeUnavailable, RankUnavailable
+from kvfold.errors import AggregatorUnavailable, NodeUnavailable, RankUnavailable
 from kvfold.naming import AGGREGATOR_NAME
 from tests.integration.conftest import running, wait_until
 from tests.unit.builders import make_config
@@ -64,8 +64,8 @@ def _index_equals_truth(kv: Any) -> bool:
         _settle(kv)
         truth = _truth(kv)
         return all(_indexed(kv, s) == keys for s, keys in truth.items())
-    except (RayError, RankUnavailable, NodeUnavailable):  # an actor restarting: ask again
-        return False
+    except (RayError, AggregatorUnavailable, RankUnavailable, NodeUnavailable):
+        return False  # an actor restarting: ask again
 
 
 def _drive(kv: Any, rng: random.Random, n_ops: int, tag: str) -> None:
