@@ -172,7 +172,7 @@ class Subscriber:
         self._sock.bind("tcp://127.0.0.1:*")  # the engine's PUB connects here
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._messages: list[list[bytes]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -183,20 +183,20 @@ class Subscriber:
                 frames = self._sock.recv_multipart()
                 with self._lock:
                     self._messages.append(frames)
+                    self._lock.notify_all()
         self._sock.close()
 
     def wait_for(self, until: Any, timeout_s: float = 15.0) -> list[list[bytes]]:
         """All messages so far, once `until(messages)` holds; fails at the deadline."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                messages = list(self._messages)
-            if until(messages):
-                return messages
-            assert time.monotonic() < deadline, (
-                f"events not seen within {timeout_s} s; got {len(messages)} messages"
-            )
-            time.sleep(0.05)
+        with self._lock:  # woken by each message the reader thread takes
+            while not until(self._messages):
+                left = deadline - time.monotonic()
+                assert left > 0, (
+                    f"events not seen within {timeout_s} s; got {len(self._messages)} messages"
+                )
+                self._lock.wait(left)
+            return list(self._messages)
 
     def close(self) -> None:
         self._stop.set()
