@@ -19,9 +19,6 @@ Order matters: one cluster, growing damage.
 from __future__ import annotations
 
 import json
-import selectors
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +33,7 @@ from kvfold.errors import RankUnavailable
 from kvfold.stats import BlockDeltas, SequenceStatus
 from kvfold.view import SourceState
 from kvfold.worker.hashing import block_keys
+from tests.engines.standins.process import StandInProcess
 from tests.integration.conftest import wait_until
 
 pytestmark = pytest.mark.integration
@@ -69,53 +67,24 @@ def trtllm_keys(blocks_by_window: dict[str, dict[str, int]]) -> dict[int, set[by
     return out
 
 
-class StandIn:
-    """A stand-in process with a pipe to its stdin; stopped by its pid."""
-
-    def __init__(self, script: str, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(STANDINS / script), "--deadline-s", "300", *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-    def line(self, timeout_s: float = 10.0) -> list[str]:
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout=timeout_s):
-            raise AssertionError(f"the stand-in {self.proc.args[1]} said nothing")
-        return self.proc.stdout.readline().split()
-
-    def say(self, text: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(text + "\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()  # this process, by its pid
-        self.proc.wait(timeout=10)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                pipe.close()
+def standin(script: str, *args: str) -> StandInProcess:
+    return StandInProcess(script, "--deadline-s", "300", *args)
 
 
-def trtllm_standin(port: int, *args: str) -> StandIn:
-    s = StandIn(
+def trtllm_standin(port: int, *args: str) -> StandInProcess:
+    s = standin(
         "trtllm_server.py", "--events", str(TRT / "kv_cache_events.jsonl"),
         "--metrics", str(TRT / "metrics.json"), "--port", str(port), "--drain-metrics", *args,
     )  # fmt: skip
-    assert s.line() == ["PORT", str(port)]
+    assert s.line().split() == ["PORT", str(port)]
     return s
 
 
 @dataclass
 class Fleet:
     kv: Any
-    sglang: StandIn
-    trtllm: StandIn
+    sglang: StandInProcess
+    trtllm: StandInProcess
     trtllm_port: int
 
     def held(self, rank: int) -> dict[int, set[bytes]]:
@@ -136,14 +105,14 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     events = f"tcp://127.0.0.1:{free_loopback_port()}"  # the SGLang rank binds its SUB here
-    sglang = StandIn(
+    sglang = standin(
         "sglang_publisher.py", "--connect", events, "--frames", str(SGL / "map-live.msgpack"),
         "--count", str(SGL_LAST + 1), "--skip", str(SKIPPED), "--metrics", str(SGL / "metrics.txt"),
     )  # fmt: skip
     f: Fleet | None = None
     cluster = None
     try:
-        replay, metrics = sglang.line()[1], sglang.line()[1]
+        replay, metrics = sglang.line().split()[1], sglang.line().split()[1]
         port = free_loopback_port()
         f = Fleet(None, sglang, trtllm_standin(port), port)
         engines = [

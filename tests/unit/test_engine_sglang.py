@@ -7,9 +7,6 @@ speaks SGLang's ZMQ wire (PUB + replay ROUTER)."""
 from __future__ import annotations
 
 import json
-import selectors
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,10 +30,10 @@ from kvfold.engines.sglang_wire import (
 from kvfold.engines.vllm_metrics import MetricsError
 from kvfold.engines.vllm_wire import EngineRemoved, EngineStored, WireError
 from kvfold.worker.hashing import block_keys
+from tests.engines.standins.process import StandInProcess
 
 TESTS = Path(__file__).resolve().parents[1]
 FIXTURES = TESTS / "fixtures" / "sglang-kv-events"  # README there
-PUBLISHER = TESTS / "engines" / "standins" / "sglang_publisher.py"
 TRUTH = json.loads((FIXTURES / "ground_truth.json").read_text())
 B = TRUTH["page_size"]
 PROMPTS: dict[str, list[int]] = TRUTH["prompts"]
@@ -372,44 +369,6 @@ def test_a_garbage_metrics_page_is_refused(page: str) -> None:
 # ---------------------------------------------------------------- a stand-in publisher
 
 
-class StandIn:
-    """tests/engines/standins/sglang_publisher.py in a process of its own."""
-
-    def __init__(self, connect: str, frames: Path, count: int) -> None:
-        command = [sys.executable, str(PUBLISHER), "--connect", connect, "--frames", str(frames)]
-        self.proc = subprocess.Popen(
-            [*command, "--count", str(count)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-    def line(self, timeout_s: float) -> str:
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout=timeout_s):
-            raise AssertionError("the stand-in publisher said nothing")
-        return self.proc.stdout.readline().strip()
-
-    def say(self, text: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(text + "\n")
-        self.proc.stdin.flush()
-
-    def stop(self) -> None:
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()  # this process, by its pid
-            self.proc.wait(timeout=5)
-        finally:
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
-
-
 def receive(sock: zmq.Socket[bytes], until: Any, deadline: float) -> list[list[bytes]]:
     """Messages until `until(message)` is true; fails at the deadline."""
     out: list[list[bytes]] = []
@@ -432,7 +391,12 @@ def test_a_stand_in_sglang_publisher_over_zmq_with_a_replay_after_a_skipped_mess
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
     port = sub.bind_to_random_port("tcp://127.0.0.1")
-    standin = StandIn(f"tcp://127.0.0.1:{port}", FIXTURES / "map-live.msgpack", LAST + 1)
+    standin = StandInProcess(
+        "sglang_publisher.py",
+        "--connect", f"tcp://127.0.0.1:{port}",
+        "--frames", str(FIXTURES / "map-live.msgpack"),
+        "--count", str(LAST + 1),
+    )  # fmt: skip
     deadline = time.monotonic() + 15.0
     try:
         replay_at = standin.line(10.0)

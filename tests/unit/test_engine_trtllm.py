@@ -8,9 +8,6 @@ process over HTTP."""
 from __future__ import annotations
 
 import json
-import selectors
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -23,10 +20,10 @@ from kvfold.engines.trtllm_stats import TRTLLMStats, parse_trtllm_stats
 from kvfold.engines.vllm_metrics import MetricsError
 from kvfold.engines.vllm_wire import EngineRemoved, EngineStored, WireError
 from kvfold.worker.hashing import block_keys
+from tests.engines.standins.process import StandInProcess
 
 TESTS = Path(__file__).resolve().parents[1]
 FIXTURES = TESTS / "fixtures" / "trtllm-kv-events"  # README there
-SERVER = TESTS / "engines" / "standins" / "trtllm_server.py"
 TRUTH = json.loads((FIXTURES / "ground_truth.json").read_text())
 PAGES = (FIXTURES / "kv_cache_events.jsonl").read_text().splitlines()
 METRICS = (FIXTURES / "metrics.json").read_bytes()
@@ -325,26 +322,19 @@ def test_a_garbage_stats_page_is_refused(page: str) -> None:
 # ---------------------------------------------------------------- a stand-in trtllm-serve
 
 
-class StandIn:
+class StandIn(StandInProcess):
     """tests/engines/standins/trtllm_server.py in a process of its own."""
 
     def __init__(self, *args: str) -> None:
         events, metrics = str(FIXTURES / "kv_cache_events.jsonl"), str(FIXTURES / "metrics.json")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SERVER), "--events", events, "--metrics", metrics, *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout=10.0):
+        super().__init__("trtllm_server.py", "--events", events, "--metrics", metrics, *args)
+        try:
+            word, port = self.line(10.0).split()
+        except AssertionError:
             self.stop()
-            raise AssertionError("the stand-in server said nothing")
-        line = self.proc.stdout.readline().split()
-        assert line[0] == "PORT"
-        self.url = f"http://127.0.0.1:{line[1]}"
+            raise
+        assert word == "PORT"
+        self.url = f"http://127.0.0.1:{port}"
 
     def post_events(self) -> bytes:
         request = urllib.request.Request(f"{self.url}/kv_cache_events", data=b"", method="POST")
@@ -356,18 +346,6 @@ class StandIn:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as answer:
             body: bytes = answer.read()
             return body
-
-    def stop(self) -> None:
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()  # this process, by its pid
-            self.proc.wait(timeout=5)
-        finally:
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
 
 
 def poll_all(server: StandIn, source: EngineSource, translator: TRTLLMTranslator) -> int:
