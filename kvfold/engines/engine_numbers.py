@@ -82,9 +82,10 @@ class EngineNumbers:
 
 
 def vllm_numbers(m: VLLMMetrics) -> EngineNumbers:
-    """vLLM's page: total blocks and block size (cache_config_info), blocks running
-    requests hold (usage x total, at most total), requests running and waiting."""
-    total = m.num_gpu_blocks or 0
+    """vLLM's page: total blocks (cache_config_info's num_gpu_blocks less vLLM's null
+    block, which never holds tokens) and block size, blocks running requests hold (usage
+    x usable blocks, at most that), requests running and waiting."""
+    total = m.num_blocks_usable or 0
     return EngineNumbers(
         num_blocks_total=total,
         num_blocks_used=min(m.num_blocks_used or 0, total),

@@ -48,11 +48,20 @@ class VLLMMetrics:
     process_start_time_s: float | None = None  # the server process's: a new one, a restart
 
     @property
-    def num_blocks_used(self) -> int | None:
-        """Blocks running requests hold: usage x total, rounded."""
-        if self.kv_cache_usage is None or self.num_gpu_blocks is None:
+    def num_blocks_usable(self) -> int | None:
+        """Blocks that can hold tokens: vLLM reserves one of `num_gpu_blocks` as its null
+        block (vllm/v1/core/block_pool.py) and computes its usage over the others."""
+        if self.num_gpu_blocks is None:
             return None
-        return round(self.kv_cache_usage * self.num_gpu_blocks)
+        return max(self.num_gpu_blocks - 1, 0)
+
+    @property
+    def num_blocks_used(self) -> int | None:
+        """Blocks running requests hold: usage x usable blocks, rounded."""
+        usable = self.num_blocks_usable
+        if self.kv_cache_usage is None or usable is None:
+            return None
+        return round(self.kv_cache_usage * usable)
 
 
 _GAUGES = {

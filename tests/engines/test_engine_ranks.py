@@ -168,7 +168,7 @@ def test_the_view_is_what_the_engine_publishes(fleet: Fleet) -> None:
     assert rank.state is SourceState.FRESH
     assert rank.gpu is not None
     g = rank.gpu[None]
-    assert (g.num_blocks_total, g.tokens_per_block) == (m.num_gpu_blocks, m.block_size)
+    assert (g.num_blocks_total, g.tokens_per_block) == (m.num_gpu_blocks - 1, m.block_size)
     assert g.num_blocks_used == m.num_blocks_used == 0  # idle: nothing running holds blocks
     assert rank.num_valid_sequences == m.num_requests_running == 0
     assert rank.unknown == {"cached", "committed", "deltas"}
@@ -318,7 +318,7 @@ def test_kvfold_up_reads_the_engine_from_the_command_line(fleet: Fleet) -> None:
 
         view = status()
         assert view["unknown"] == {"cached": [0], "committed": [0], "deltas": [0]}
-        assert view["totals"]["gpu"]["num_blocks_total"] == BLOCKS
+        assert view["totals"]["gpu"]["num_blocks_total"] == BLOCKS - 1  # less the null block
     finally:
         down = subprocess.run([*cli, "down", *where], capture_output=True, text=True, timeout=120)
         assert down.returncode == 0, down.stderr[-2000:]
