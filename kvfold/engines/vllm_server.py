@@ -108,13 +108,15 @@ class VLLMServer:
             s.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", s.model_dir, "--served-model-name", s.served_model_name,
             "--host", LOOPBACK, "--port", str(self.port),
-            "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
+            "--load-format", "dummy", "--enforce-eager",
             "--dtype", KV_DTYPE, "--seed", str(s.seed),
             "--enable-prefix-caching", "--block-size", str(s.block_size),
             "--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes),
             "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs),
             "--enable-prompt-tokens-details",
         ]  # fmt: skip
+        if not s.serves_text:
+            cmd.append("--skip-tokenizer-init")  # token ids in, token ids out
         if s.events_endpoint is not None:
             events: dict[str, Any] = {
                 "enable_kv_cache_events": True,

@@ -15,6 +15,7 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 LOOPBACK = "127.0.0.1"
@@ -45,6 +46,8 @@ class VLLMServerSettings:
     omp_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: "auto", "nobind", "0", ...
     omp_num_threads: int | None = None  # OMP_NUM_THREADS (1 with "nobind")
     seed: int = 0
+    # the engine tokenizes text (its model_dir's tokenizer files); None: when they are there
+    tokenizer: bool | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)  # applied last
     log_path: str | None = None  # None: a new temporary file
 
@@ -82,6 +85,21 @@ class VLLMServerSettings:
                     f"replay_endpoint={self.replay_endpoint!r}: allowed: an endpoint other "
                     "than events_endpoint"
                 )
+
+
+    @property
+    def serves_text(self) -> bool:
+        """Whether the engine loads its tokenizer (and so takes text prompts and chats)."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        return has_tokenizer_files(self.model_dir)
+
+
+def has_tokenizer_files(model_dir: str) -> bool:
+    """Whether `model_dir` holds a Hugging Face tokenizer (tokenizer.json or
+    tokenizer_config.json), as vLLM and kvfold's front door load it."""
+    root = Path(model_dir)
+    return (root / "tokenizer.json").is_file() or (root / "tokenizer_config.json").is_file()
 
 
 def _check_endpoint(name: str, endpoint: str) -> None:
@@ -133,5 +151,6 @@ __all__ = [
     "LOOPBACK",
     "VLLMServerSettings",
     "free_loopback_port",
+    "has_tokenizer_files",
     "kv_bytes_per_token",
 ]

@@ -1,0 +1,394 @@
+"""The door: one async Ray actor that keeps the commitments of everything kvfold sends to
+engines, and decides where each request goes (DESIGN §11). Every front-door replica and
+every kvfold RequestRouter in the namespace asks this one actor, so several of them share
+the engines as one controller would: a promise is made in one place, in order.
+
+    DoorActor            the shell: follows the view and the block index, wraps DoorAdmission
+      admit(...)         -> Admitted (where to send it), once it fits; QueueRefused / QueueTimeout
+      release(id)        the request ended (finished, failed, or its client went away)
+      stats()            commitments, queue, counts, the cross-check against engine gauges
+      committed_between  the most committed on an engine over a time span (for checks)
+    start_door / get_door
+
+What the actor knows of the engines comes from kvfold's view (capacity, block size,
+liveness, the engine's own used blocks) and from each engine's /v1/models (its
+max_model_len, read once at start). It never calls an engine for a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import pickle
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ray
+
+from kvfold.aggregator.view_delta import ViewReader
+from kvfold.blockindex.feed import Replica
+from kvfold.errors import KVFoldError
+from kvfold.naming import AGGREGATOR_NAME
+from kvfold.serving.door_admission import (
+    DoorAdmission,
+    DoorRequest,
+    EngineState,
+    Placement,
+    Refused,
+    blocks_needed,
+)
+from kvfold.serving.settings import DOOR_ACTOR_NAME, FrontDoorSettings
+from kvfold.view import ClusterView, SourceState
+from kvfold.worker.hashing import as_token_array, block_keys
+
+log = logging.getLogger("kvfold")
+
+COMMITTED_LOG_LEN = 20_000  # per engine: (time, committed) after each change
+CROSS_CHECK_LOOKBACK_S = 2.0  # a gauge is compared with the most committed this far back
+RELEASED_MEMORY = 10_000  # ids released before their admit arrived, refused if it does
+
+
+class QueueRefused(KVFoldError, RuntimeError):
+    """Not queued: `reason` is exceeds_engine_capacity, prompt_too_long, queue_full,
+    duplicate_request_id or released (its release came first)."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: float | None = None) -> None:
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        super().__init__(f"{reason}: {message}")
+
+
+class QueueTimeout(KVFoldError, TimeoutError):
+    """It waited in kvfold's queue for its whole deadline without fitting an engine."""
+
+    def __init__(self, waited_s: float, retry_after_s: float) -> None:
+        self.waited_s = waited_s
+        self.retry_after_s = retry_after_s
+        super().__init__(f"no engine had room within {waited_s:.1f} s")
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    rank: int
+    url: str
+    need_blocks: int
+    held_blocks: int
+    waited_s: float
+    view_version: int
+
+
+class DoorActor:
+    def __init__(self, settings: FrontDoorSettings) -> None:
+        self.settings = settings
+        self.adm = DoorAdmission(
+            settings.policy,
+            queue_limit=settings.queue_limit,
+            max_running_per_engine=settings.max_running_per_engine,
+            prefix_weight=settings.prefix_weight,
+            held_blocks=self._held_blocks,
+        )
+        self._waiting: dict[str, asyncio.Future[Placement | None]] = {}
+        self._keys: dict[str, tuple[list[Any], int]] = {}  # request -> (prefix keys, tokens)
+        self._released_early: dict[str, None] = {}  # an ordered set, oldest first
+        self._reader = ViewReader()
+        self._replica: Replica | None = None
+        self._view: ClusterView | None = None
+        self._aggregator: Any = None
+        self._log: dict[int, deque[tuple[float, int]]] = {
+            r: deque([(time.time(), 0)], maxlen=COMMITTED_LOG_LEN) for r in settings.engine_ranks
+        }
+        self.max_model_len = [_max_model_len(url) for url in settings.engine_urls]
+        self.above_committed: dict[int, int] = {}  # reports of used > committed, per engine
+        self.follow_failures = 0
+        self._follower: asyncio.Task[None] | None = None
+
+    # -- the API -------------------------------------------------------------------------
+
+    async def ready(self) -> dict[str, Any]:
+        """Once a view showing every engine fresh was followed: the engines as seen."""
+        self._ensure_following()
+        while True:
+            live = [r for r in self.settings.engine_ranks if self._engine(r).live]
+            if len(live) == len(self.settings.engine_ranks):
+                return self.stats()
+            await asyncio.sleep(self.settings.refresh_s)
+
+    async def admit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int | None,
+        n: int = 1,
+        timeout_s: float | None = None,
+        avoid: Sequence[int] = (),
+    ) -> Admitted:
+        """Where to send this request, once it fits (waits in the FIFO queue until then)."""
+        self._ensure_following()
+        t0 = time.monotonic()
+        if request_id in self._released_early:
+            raise QueueRefused("released", f"request {request_id!r} was released already")
+        tokens = as_token_array(prompt_ids, "prompt_ids")
+        block_size = self._block_size()
+        limit = min(self.max_model_len)
+        if len(tokens) >= limit:
+            raise QueueRefused(
+                "prompt_too_long",
+                f"{len(tokens)} prompt tokens; the engines' max_model_len is {limit}",
+            )
+        request = DoorRequest(
+            request_id,
+            need_blocks=blocks_needed(len(tokens), max_tokens, n, block_size, limit),
+            prompt_blocks=(len(tokens) - 1) // block_size,
+            deadline=t0 + (timeout_s or self.settings.queue_timeout_s),
+            avoid=frozenset(avoid),
+        )
+        self._keys[request_id] = (block_keys(tokens, block_size, None), len(tokens))
+        try:
+            placed = self.adm.submit(request)
+        except Refused as e:
+            self._keys.pop(request_id, None)
+            raise QueueRefused(e.reason, str(e), self._retry_after_s()) from None
+        if placed is None:
+            future: asyncio.Future[Placement | None] = asyncio.get_running_loop().create_future()
+            self._waiting[request_id] = future
+            wait = max(request.deadline - time.monotonic(), 0.0)
+            try:
+                placed = await asyncio.wait_for(asyncio.shield(future), wait)
+            except asyncio.TimeoutError:
+                placed = self.adm.placement(request_id)
+                if placed is None:
+                    self._end(request_id)
+                    raise QueueTimeout(time.monotonic() - t0, self._retry_after_s()) from None
+            finally:
+                self._waiting.pop(request_id, None)
+            if placed is None:
+                raise QueueRefused("released", f"request {request_id!r} was released")
+        self._keys.pop(request_id, None)
+        self._logged(placed.rank)
+        version = self._view.version if self._view is not None else 0
+        return Admitted(
+            placed.rank,
+            self.settings.engine_urls[placed.rank],
+            placed.need_blocks,
+            placed.held_blocks,
+            time.monotonic() - t0,
+            version,
+        )
+
+    async def release(self, request_id: str) -> int | None:
+        """The request ended; its blocks are free again. Returns its engine (None: it held
+        none, or was still queued). Idempotent."""
+        held = self.adm.placement(request_id)
+        if held is None and not self.adm.is_queued(request_id):
+            self._released_early[request_id] = None
+            if len(self._released_early) > RELEASED_MEMORY:
+                del self._released_early[next(iter(self._released_early))]
+        return self._end(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        engines = {}
+        for r in self.settings.engine_ranks:
+            e = self._engine(r)
+            engines[r] = {
+                **asdict(e),
+                "url": self.settings.engine_urls[r],
+                "committed_blocks": self.adm.committed(r),
+                "running": self.adm.running(r),
+                "above_committed": self.above_committed.get(r, 0),
+            }
+        return {
+            "engines": engines,
+            "queued": self.adm.queued,
+            "placed": self.adm.placed,
+            "expired": self.adm.expired,
+            "refused": dict(self.adm.refused),
+            "policy": self.adm.policy,
+            "view_version": self._view.version if self._view is not None else None,
+            "follow_failures": self.follow_failures,
+            "max_model_len": min(self.max_model_len),
+        }
+
+    def committed_between(self, rank: int, t0: float, t1: float) -> int:
+        """The most this door had committed on engine `rank` at any time in [t0, t1]
+        (wall-clock seconds)."""
+        log_ = self._log[rank]
+        best = 0
+        before = 0
+        for t, c in log_:
+            if t < t0:
+                before = c
+            elif t <= t1:
+                best = max(best, c)
+        return max(best, before)
+
+    # -- inside --------------------------------------------------------------------------
+
+    def _end(self, request_id: str) -> int | None:
+        self._keys.pop(request_id, None)
+        rank, placed = self.adm.release(request_id)
+        future = self._waiting.get(request_id)
+        if future is not None and not future.done():
+            future.set_result(None)
+        if rank is not None:
+            self._logged(rank)
+        self._hand_out(placed)
+        return rank
+
+    def _hand_out(self, placed: list[Placement]) -> None:
+        for p in placed:
+            self._keys.pop(p.request_id, None)
+            self._logged(p.rank)
+            future = self._waiting.get(p.request_id)
+            if future is not None and not future.done():
+                future.set_result(p)
+
+    def _logged(self, rank: int) -> None:
+        self._log[rank].append((time.time(), self.adm.committed(rank)))
+
+    def _held_blocks(self, request: DoorRequest) -> dict[int, int]:
+        keys = self._keys.get(request.request_id)
+        if keys is None or self._replica is None or not self._replica.index.block_size:
+            return {}
+        m = self._replica.index.match(keys[0][: request.prompt_blocks], keys[1])
+        return {r: int(g) for r, g in enumerate(m.gpu) if g}
+
+    def _block_size(self) -> int:
+        sizes = {
+            g.tokens_per_block
+            for r in self.settings.engine_ranks
+            for g in (self._gauges(r) or ())
+            if g.tokens_per_block
+        }
+        if len(sizes) != 1:
+            raise QueueRefused(
+                "engines_unknown",
+                f"the engines' block sizes are {sorted(sizes) or 'not known yet'}; the door "
+                "needs one size, known from the view",
+                self._retry_after_s(),
+            )
+        size: int = sizes.pop()
+        return size
+
+    def _gauges(self, rank: int) -> list[Any] | None:
+        if self._view is None:
+            return None
+        found = self._view.rank_summary(rank)
+        if found is None or found[0].gpu is None:
+            return None
+        return list(found[0].gpu.values())
+
+    def _engine(self, rank: int) -> EngineState:
+        view = self._view
+        found = view.rank_summary(rank) if view is not None else None
+        if found is None or not found[0].gpu:
+            return EngineState(rank, 0, False, None)
+        summary, node_state = found
+        gauges = list(summary.gpu.values()) if summary.gpu else []
+        total = sum(int(g.num_blocks_total) for g in gauges)
+        used = sum(int(g.num_blocks_used) for g in gauges)
+        live = summary.state is SourceState.FRESH and node_state is SourceState.FRESH
+        capacity = max(total - self.settings.watermark_blocks, 0)
+        return EngineState(rank, capacity, live and capacity > 0, used)
+
+    def _retry_after_s(self) -> float:
+        return max(1.0, self.settings.refresh_s)
+
+    def _ensure_following(self) -> None:
+        if self._follower is None or self._follower.done():
+            self._follower = asyncio.get_running_loop().create_task(self._follow())
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                await self._follow_once()
+            except Exception as e:  # the aggregator restarting, a view not there yet
+                self.follow_failures += 1
+                self._aggregator = None
+                if self.follow_failures % 100 == 1:
+                    log.warning("kvfold door: following the view failed: %r", e)
+            gone, placed = self.adm.expire(time.monotonic())
+            expired = [r.request_id for r in gone]
+            for rid in expired:
+                future = self._waiting.get(rid)
+                if future is not None and not future.done():
+                    future.set_result(None)
+            self._hand_out(placed)
+            await asyncio.sleep(self.settings.refresh_s)
+
+    async def _follow_once(self) -> None:
+        if self._aggregator is None:
+            self._aggregator = ray.get_actor(AGGREGATOR_NAME, namespace=self.settings.namespace)
+        asked = self._reader.position
+        view = self._reader.apply(await self._aggregator.view_since.remote(asked), asked)
+        if view is None:
+            return
+        if self._replica is None or list(view.rank_to_node) != self._replica.rank_to_node:
+            self._replica = Replica(list(view.rank_to_node))
+        cursor, ops, whole = pickle.loads(
+            await self._aggregator.block_index_since.remote(self._replica.cursor)
+        )
+        self._replica.take(tuple(cursor), ops, whole)
+        if self._view is not None and view.version == self._view.version:
+            return
+        self._view = view
+        states = [self._engine(r) for r in self.settings.engine_ranks]
+        now = time.time()
+        for s in states:
+            if s.used_blocks is not None and s.live:
+                most = self.committed_between(s.rank, now - CROSS_CHECK_LOOKBACK_S, now)
+                if s.used_blocks > most:
+                    self.above_committed[s.rank] = self.above_committed.get(s.rank, 0) + 1
+                    log.warning(
+                        "kvfold door: engine %d holds %d blocks, more than the %d kvfold "
+                        "committed there: traffic reaches it from elsewhere",
+                        s.rank, s.used_blocks, most,
+                    )  # fmt: skip
+        self._hand_out(self.adm.update_engines(states))
+
+
+def _max_model_len(url: str, timeout_s: float = 30.0) -> int:
+    """The engine's max_model_len, from its /v1/models (vLLM, SGLang and trtllm-serve all
+    serve it; vLLM's card carries max_model_len)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout_s) as r:
+            cards = json.loads(r.read())["data"]
+        return int(cards[0]["max_model_len"])
+    except Exception as e:
+        raise ValueError(
+            f"engine {url}: /v1/models did not give a max_model_len ({e!r}); allowed: a "
+            "running engine's OpenAI server"
+        ) from e
+
+
+def start_door(settings: FrontDoorSettings, detached: bool = False) -> Any:
+    """The namespace's door actor: started, or the running one (get-if-exists).
+    `detached`: it outlives this driver (the front door's Serve app does)."""
+    cls: Any = ray.remote(DoorActor)
+    return cls.options(
+        num_cpus=0,
+        max_restarts=0,
+        max_concurrency=1000,
+        name=DOOR_ACTOR_NAME,
+        namespace=settings.namespace,
+        get_if_exists=True,
+        lifetime="detached" if detached else None,
+    ).remote(settings)
+
+
+def get_door(namespace: str) -> Any:
+    return ray.get_actor(DOOR_ACTOR_NAME, namespace=namespace)
+
+
+__all__ = [
+    "Admitted",
+    "DoorActor",
+    "QueueRefused",
+    "QueueTimeout",
+    "get_door",
+    "start_door",
+]

@@ -1,0 +1,237 @@
+"""kvfold's front door: an OpenAI-compatible Ray Serve application in front of engine ranks
+(DESIGN §11, docs/serving.md).
+
+    FrontDoor            the Serve ingress: /v1/completions, /v1/chat/completions (streamed
+                         as the engine streams), /v1/models, /health, /kvfold/stats
+    serve_front_door     start Serve (on loopback unless told), the door actor and the app;
+                         returns a FrontDoorApp with its URL once every engine is fresh
+
+Per request: its token ids (kvfold.serving.prompt_tokens: as the engine computes them), its
+declared end (prompt + max_tokens, or the model's limit), the door's decision (which
+engine, once it fits; kvfold.serving.door_actor), the body forwarded unchanged to that
+engine, and the door told when the answer ends, fails, or its client goes away. An engine
+that fails before a byte was streamed back is left for another (once); after, the stream
+ends with an error event naming the engine.
+
+HTTP statuses of the door's own: 400 (a body it cannot count, a prompt no engine can hold),
+429 with Retry-After (kvfold's queue is full, or the request waited its whole deadline),
+502 (the engine failed; the message names it), 503 (no door, or no engine fresh).
+"""
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from kvfold.serving.door_actor import Admitted, QueueRefused, QueueTimeout, get_door, start_door
+from kvfold.serving.forward import (
+    EngineFailed,
+    error_body,
+    new_session,
+    open_stream,
+    post_json,
+    sse_error,
+)
+from kvfold.serving.loopback import keep_replica_grpc_on_node_address
+from kvfold.serving.openai_body import BadRequest, OpenAIRequest, parse_chat, parse_completion
+from kvfold.serving.prompt_tokens import PromptTokenizer
+from kvfold.serving.settings import FrontDoorSettings
+
+log = logging.getLogger("kvfold")
+keep_replica_grpc_on_node_address()  # imported with the deployment, before its replica serves
+
+app = FastAPI(title="kvfold front door")
+# vLLM's 4xx for a prompt longer than the model is also 400
+_STATUS = {"queue_full": 429, "released": 499, "engines_unknown": 503}
+
+
+def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def _retry_after(seconds: float | None) -> dict[str, str]:
+    return {"Retry-After": str(max(1, round(seconds or 1)))}
+
+
+def _kvfold(headers: dict[str, str], a: Admitted) -> dict[str, str]:
+    """The engine's headers, and where kvfold sent it and why (for clients and benchmarks)."""
+    return {
+        **{k: v for k, v in headers.items() if k.lower() != "content-type"},
+        "x-kvfold-engine": str(a.rank),
+        "x-kvfold-held-blocks": str(a.held_blocks),
+        "x-kvfold-committed-blocks": str(a.need_blocks),
+        "x-kvfold-waited-ms": f"{a.waited_s * 1e3:.1f}",
+    }
+
+
+@serve.deployment(max_ongoing_requests=1000)
+@serve.ingress(app)
+class FrontDoor:
+    def __init__(self, settings: FrontDoorSettings) -> None:
+        self.settings = settings
+        self.tokenizer = PromptTokenizer(settings.model_dir)
+        self.door = get_door(settings.namespace)
+        self._session: Any = None
+
+    def _http(self) -> Any:
+        if self._session is None:
+            self._session = new_session()
+        return self._session
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "/v1/completions", parse_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, "/v1/chat/completions", parse_chat)
+
+    @app.get("/v1/models")
+    async def models(self) -> Response:
+        for url in self.settings.engine_urls:
+            try:
+                async with self._http().get(url + "/v1/models") as r:
+                    return _json(r.status, await r.read())
+            except Exception:  # that engine is down: ask the next
+                continue
+        return _json(503, error_body("no engine answered /v1/models", "unavailable", 503))
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            stats = await self.door.stats.remote()
+        except Exception as e:
+            return _json(503, error_body(f"the door does not answer: {e!r}", "unavailable", 503))
+        live = [r for r, e in stats["engines"].items() if e["live"]]
+        status = 200 if live else 503
+        return JSONResponse({"live_engines": live, "queued": stats["queued"]}, status)
+
+    @app.get("/kvfold/stats")
+    async def stats(self) -> Response:
+        return JSONResponse(await self.door.stats.remote())
+
+    # -- one request ---------------------------------------------------------------------
+
+    async def _serve(
+        self, request: Request, path: str, parse: Callable[[object], OpenAIRequest]
+    ) -> Response:
+        try:
+            body = await request.json()
+        except Exception as e:
+            return _json(400, error_body(f"body: not JSON ({e})", "invalid_request_error", 400))
+        try:
+            req = parse(body)
+            ids = self.tokenizer.ids(req)
+        except BadRequest as e:
+            return _json(400, error_body(str(e), "invalid_request_error", 400, e.param))
+        rid = f"door-{uuid.uuid4().hex}"
+        avoid: list[int] = []
+        for attempt in (0, 1):
+            try:
+                admitted: Admitted = await self.door.admit.remote(rid, ids, req.max_tokens, req.n,
+                                                                  None, avoid)  # fmt: skip
+            except QueueRefused as e:
+                status = _STATUS.get(e.reason, 400)
+                headers = _retry_after(e.retry_after_s) if status == 429 else None
+                return _json(status, error_body(str(e), e.reason, status), headers)
+            except QueueTimeout as e:
+                return _json(429, error_body(str(e), "queue_timeout", 429),
+                             _retry_after(e.retry_after_s))  # fmt: skip
+            except BaseException:
+                self._release(rid)  # cancelled while queued (its client went away), or worse
+                raise
+            try:
+                if req.stream:
+                    return await self._stream(rid, admitted, path, req)
+                status, data, headers = await post_json(
+                    self._http(), admitted.rank, admitted.url, path, req.body
+                )
+                self._release(rid)
+                return Response(data, status_code=status, headers=_kvfold(headers, admitted))
+            except EngineFailed as e:
+                self._release(rid)
+                if not e.streamed and attempt == 0 and self.settings.retry_unstreamed:
+                    avoid.append(e.rank)
+                    rid = f"door-{uuid.uuid4().hex}"
+                    continue
+                return _json(502, error_body(str(e), "engine_failed", 502))
+            except BaseException:
+                self._release(rid)
+                raise
+        raise AssertionError("unreachable")
+
+    async def _stream(
+        self, rid: str, admitted: Admitted, path: str, req: OpenAIRequest
+    ) -> Response:
+        stream = await open_stream(self._http(), admitted.rank, admitted.url, path, req.body)
+        if stream.status != 200:
+            data = await stream.body()
+            self._release(rid)
+            return Response(data, stream.status, headers=_kvfold(stream.headers, admitted))
+
+        async def passed_on() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in stream.chunks():
+                    yield chunk
+            except EngineFailed as e:
+                yield sse_error(str(e), "engine_failed", 502)
+            finally:  # the end, a failure, or the client went away (the generator is closed)
+                stream.close()
+                self._release(rid)
+
+        return StreamingResponse(
+            passed_on(), status_code=200, headers=_kvfold(stream.headers, admitted),
+            media_type=stream.headers.get("Content-Type", "text/event-stream"),
+        )  # fmt: skip
+
+    def _release(self, rid: str) -> None:
+        self.door.release.remote(rid)  # answered in order with the admit; nothing to wait on
+
+
+@dataclass
+class FrontDoorApp:
+    """A running front door: its URL, its door actor; shutdown() takes the app down."""
+
+    settings: FrontDoorSettings
+    url: str
+    door: Any
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = ray.get(self.door.stats.remote())
+        return stats
+
+    def shutdown(self) -> None:
+        serve.delete(self.settings.app_name)
+        ray.kill(self.door)
+
+
+def start_serve(http_host: str = "127.0.0.1", http_port: int = 8000) -> None:
+    """Start Ray Serve's controller and HTTP proxy on `http_host:http_port` (loopback unless
+    asked), or keep the running ones."""
+    serve.start(http_options={"host": http_host, "port": http_port})
+
+
+def serve_front_door(settings: FrontDoorSettings, timeout_s: float = 120.0) -> FrontDoorApp:
+    """Start the door actor and the front door's Serve app on the Ray cluster this process
+    is connected to (kvfold launched there with the engines as ranks). Returns once every
+    engine is fresh in the view and the app answers."""
+    if not settings.on_loopback:
+        log.warning("kvfold front door: serving HTTP on %s, beyond loopback, as asked",
+                    settings.http_host)  # fmt: skip
+    start_serve(settings.http_host, settings.http_port)
+    door = start_door(settings)
+    ray.get(door.ready.remote(), timeout=timeout_s)
+    deployment: Any = FrontDoor.options(num_replicas=settings.num_replicas)  # type: ignore[attr-defined]
+    serve.run(deployment.bind(settings), name=settings.app_name, route_prefix=settings.route_prefix)
+    host = "127.0.0.1" if settings.http_host in ("0.0.0.0", "::") else settings.http_host
+    url = f"http://{host}:{settings.http_port}{settings.route_prefix.rstrip('/')}"
+    return FrontDoorApp(settings, url, door)
+
+
+__all__ = ["FrontDoor", "FrontDoorApp", "serve_front_door", "start_serve"]

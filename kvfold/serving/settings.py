@@ -1,0 +1,92 @@
+"""What kvfold's front door runs with, checked before anything starts. Pure; no Ray.
+
+    FrontDoorSettings   frozen; a wrong value raises ValueError naming it and what is allowed
+
+Engine rank i (kvfold's rank, as `launch(engines=...)` numbered them) serves at
+`engine_urls[i]`, the engine's own OpenAI server. Everything is on loopback unless the user
+asks otherwise (`http_host`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from kvfold.naming import PREFIX
+from kvfold.serving.door_admission import POLICIES, PRECISE_PREFIX
+
+DOOR_ACTOR_NAME = f"{PREFIX}door"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True, slots=True)
+class FrontDoorSettings:
+    engine_urls: tuple[str, ...]  # http://HOST:PORT of engine rank 0, 1, ...
+    model_dir: str  # the model's directory (its tokenizer files), as the engines run it
+    namespace: str = "kvfold"  # kvfold's Ray namespace (its aggregator): KVFold.namespace
+    policy: str = PRECISE_PREFIX
+    queue_limit: int = 256  # requests waiting in kvfold's queue; beyond: 429
+    queue_timeout_s: float = 60.0  # a request waits at most this long; then 429
+    watermark_blocks: int = 0  # blocks of each engine kept out of every promise
+    max_running_per_engine: int | None = None  # the engines' max_num_seqs, or None
+    prefix_weight: float = 1.0  # precise_prefix: blocks to prefill against blocks held
+    refresh_s: float = 0.05  # how often the door follows the view and the block index
+    num_replicas: int = 1  # front-door replicas (they share one door actor)
+    app_name: str = "kvfold-front-door"
+    route_prefix: str = "/"
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    retry_unstreamed: bool = True  # an engine failing before a byte was sent: try another
+
+    def __post_init__(self) -> None:
+        if not self.engine_urls:
+            raise ValueError("engine_urls=(): allowed: one http://HOST:PORT per engine rank")
+        for i, url in enumerate(self.engine_urls):
+            parts = urlsplit(url) if isinstance(url, str) else None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"engine_urls[{i}]={url!r}: allowed: http://HOST:PORT, the engine's "
+                    "OpenAI server"
+                )
+            if parts.path not in ("", "/"):
+                raise ValueError(
+                    f"engine_urls[{i}]={url!r}: allowed: the server's base URL, no path"
+                )
+        if not self.model_dir:
+            raise ValueError("model_dir='': allowed: the model's directory")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r}: allowed: {', '.join(POLICIES)}")
+        for name in ("queue_limit", "watermark_blocks"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name}={value!r}: allowed: an int >= 0")
+        if type(self.num_replicas) is not int or self.num_replicas <= 0:
+            raise ValueError(f"num_replicas={self.num_replicas!r}: allowed: an int > 0")
+        if self.max_running_per_engine is not None and (
+            type(self.max_running_per_engine) is not int or self.max_running_per_engine <= 0
+        ):
+            raise ValueError(
+                f"max_running_per_engine={self.max_running_per_engine!r}: allowed: a "
+                "positive int or None"
+            )
+        for name in ("queue_timeout_s", "refresh_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}={value!r}: allowed: a number > 0")
+        if not self.prefix_weight >= 0:
+            raise ValueError(f"prefix_weight={self.prefix_weight!r}: allowed: >= 0")
+        if not 0 < self.http_port <= 65535:
+            raise ValueError(f"http_port={self.http_port!r}: allowed: 1-65535")
+        if not self.route_prefix.startswith("/"):
+            raise ValueError(f"route_prefix={self.route_prefix!r}: allowed: a path from '/'")
+
+    @property
+    def engine_ranks(self) -> tuple[int, ...]:
+        return tuple(range(len(self.engine_urls)))
+
+    @property
+    def on_loopback(self) -> bool:
+        return self.http_host in LOOPBACK_HOSTS
+
+
+__all__ = ["DOOR_ACTOR_NAME", "FrontDoorSettings"]
