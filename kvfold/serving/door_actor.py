@@ -4,7 +4,7 @@ every kvfold RequestRouter in the namespace asks this one actor, so several of t
 the engines as one controller would: a promise is made in one place, in order.
 
     DoorActor            the shell: follows the view and the block index, wraps DoorAdmission
-      admit(...)         -> Admitted (where to send it), once it fits; QueueRefused / QueueTimeout
+      admit(...)         -> Admitted (where to send it), once it fits; else NotAdmitted (why)
       release(id)        the request ended (finished, failed, or its client went away)
       stats()            commitments, queue, counts, the cross-check against engine gauges
       committed_between  the most committed on an engine over a time span (for checks)
@@ -53,7 +53,7 @@ CROSS_CHECK_LOOKBACK_S = 2.0  # a gauge is compared with the most committed this
 RELEASED_MEMORY = 10_000  # ids released before their admit arrived, refused if it does
 
 
-class QueueRefused(KVFoldError, RuntimeError):
+class QueueRefused(KVFoldError, RuntimeError):  # inside the actor; callers get NotAdmitted
     """Not queued: `reason` is exceeds_engine_capacity, prompt_too_long, queue_full,
     duplicate_request_id or released (its release came first)."""
 
@@ -63,13 +63,29 @@ class QueueRefused(KVFoldError, RuntimeError):
         super().__init__(f"{reason}: {message}")
 
 
-class QueueTimeout(KVFoldError, TimeoutError):
+class QueueTimeout(KVFoldError, TimeoutError):  # inside the actor; callers get NotAdmitted
     """It waited in kvfold's queue for its whole deadline without fitting an engine."""
 
     def __init__(self, waited_s: float, retry_after_s: float) -> None:
         self.waited_s = waited_s
         self.retry_after_s = retry_after_s
         super().__init__(f"no engine had room within {waited_s:.1f} s")
+
+
+@dataclass(frozen=True, slots=True)
+class NotAdmitted:
+    """Why a request was not admitted. `reason`: queue_full and queue_timeout (HTTP 429,
+    retry after `retry_after_s`), exceeds_engine_capacity and prompt_too_long (400),
+    engines_unknown (503), released (its own release came first), duplicate_request_id."""
+
+    reason: str
+    message: str
+    retry_after_s: float | None = None
+
+    @property
+    def http_status(self) -> int:
+        return {"queue_full": 429, "queue_timeout": 429, "engines_unknown": 503,
+                "released": 499}.get(self.reason, 400)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +142,26 @@ class DoorActor:
         n: int = 1,
         timeout_s: float | None = None,
         avoid: Sequence[int] = (),
+    ) -> Admitted | NotAdmitted:
+        """Where to send this request, once it fits (it waits in the FIFO queue until
+        then, at most `timeout_s`, the settings' queue_timeout_s by default), or why not.
+        `avoid`: engines it must not go to (one that just failed it)."""
+        try:
+            return await self._admit(request_id, prompt_ids, max_tokens, n, timeout_s, avoid)
+        except QueueRefused as e:
+            return NotAdmitted(e.reason, str(e), e.retry_after_s)
+        except QueueTimeout as e:
+            return NotAdmitted("queue_timeout", str(e), e.retry_after_s)
+
+    async def _admit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int | None,
+        n: int,
+        timeout_s: float | None,
+        avoid: Sequence[int],
     ) -> Admitted:
-        """Where to send this request, once it fits (waits in the FIFO queue until then)."""
         self._ensure_following()
         t0 = time.monotonic()
         if request_id in self._released_early:
@@ -387,8 +421,7 @@ def get_door(namespace: str) -> Any:
 __all__ = [
     "Admitted",
     "DoorActor",
-    "QueueRefused",
-    "QueueTimeout",
+    "NotAdmitted",
     "get_door",
     "start_door",
 ]

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from kvfold.serving.door_actor import Admitted, QueueRefused, QueueTimeout, get_door, start_door
+from kvfold.serving.door_actor import Admitted, NotAdmitted, get_door, start_door
 from kvfold.serving.forward import (
     EngineFailed,
     error_body,
@@ -47,8 +47,6 @@ log = logging.getLogger("kvfold")
 keep_replica_grpc_on_node_address()  # imported with the deployment, before its replica serves
 
 app = FastAPI(title="kvfold front door")
-# vLLM's 4xx for a prompt longer than the model is also 400
-_STATUS = {"queue_full": 429, "released": 499, "engines_unknown": 503}
 
 
 def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
@@ -70,7 +68,7 @@ def _kvfold(headers: dict[str, str], a: Admitted) -> dict[str, str]:
     }
 
 
-@serve.deployment(max_ongoing_requests=1000)
+@serve.deployment(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class FrontDoor:
     def __init__(self, settings: FrontDoorSettings) -> None:
@@ -122,6 +120,15 @@ class FrontDoor:
         self, request: Request, path: str, parse: Callable[[object], OpenAIRequest]
     ) -> Response:
         try:
+            return await self._serve_one(request, path, parse)
+        except Exception as e:  # a fault of kvfold's own: said, never a bare 500
+            log.exception("kvfold front door: %s failed", path)
+            return _json(500, error_body(f"kvfold front door: {e!r}", "internal_error", 500))
+
+    async def _serve_one(
+        self, request: Request, path: str, parse: Callable[[object], OpenAIRequest]
+    ) -> Response:
+        try:
             body = await request.json()
         except Exception as e:
             return _json(400, error_body(f"body: not JSON ({e})", "invalid_request_error", 400))
@@ -134,18 +141,16 @@ class FrontDoor:
         avoid: list[int] = []
         for attempt in (0, 1):
             try:
-                admitted: Admitted = await self.door.admit.remote(rid, ids, req.max_tokens, req.n,
-                                                                  None, avoid)  # fmt: skip
-            except QueueRefused as e:
-                status = _STATUS.get(e.reason, 400)
-                headers = _retry_after(e.retry_after_s) if status == 429 else None
-                return _json(status, error_body(str(e), e.reason, status), headers)
-            except QueueTimeout as e:
-                return _json(429, error_body(str(e), "queue_timeout", 429),
-                             _retry_after(e.retry_after_s))  # fmt: skip
+                admitted: Admitted | NotAdmitted = await self.door.admit.remote(
+                    rid, ids, req.max_tokens, req.n, None, avoid
+                )
             except BaseException:
                 self._release(rid)  # cancelled while queued (its client went away), or worse
                 raise
+            if isinstance(admitted, NotAdmitted):
+                status = admitted.http_status
+                headers = _retry_after(admitted.retry_after_s) if status == 429 else None
+                return _json(status, error_body(admitted.message, admitted.reason, status), headers)
             try:
                 if req.stream:
                     return await self._stream(rid, admitted, path, req)

@@ -1,0 +1,340 @@
+"""kvfold's front door on Ray Serve in front of 3 real vLLM engines, judged by the engines'
+own word:
+
+- text and chat prompts are tokenized exactly as the engine tokenizes them (the engine's
+  `prompt_token_ids`), so what the door counts is what the engine holds;
+- a burst that makes round robin preempt (the engines' `vllm:num_preemptions`) leaves
+  every engine's preemption counter where it was through the front door; every request is
+  answered (a completion or a 429); at every moment sampled, kvfold had committed at least
+  the blocks the engine reported in use; nothing stays committed;
+- OpenAI's routes pass through (streaming chunk by chunk); what cannot be counted is refused
+  by name;
+- kvfold's RequestRouter in a Serve deployment of the engines sends a shared prefix to the
+  engine that holds it (the engine's `cached_tokens`), and frees it when it completes;
+- nothing the front door starts listens beyond loopback;
+- an engine killed mid-run: its requests end with an error naming it, or go elsewhere
+  when nothing was streamed yet; its commitments are released; nothing waits forever.
+
+Order matters: the last test kills an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import pytest
+import ray
+from ray import serve
+
+from kvfold.cluster import launch, start_local_cluster
+from kvfold.engines.vllm_metrics import parse_vllm_metrics
+from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port
+from kvfold.serving.engine_fleet import EngineFleet
+from kvfold.serving.engine_replica import engine_deployment
+from kvfold.serving.front_door import FrontDoorApp, serve_front_door
+from kvfold.serving.openai_body import parse_chat, parse_completion
+from kvfold.serving.prompt_tokens import PromptTokenizer
+from kvfold.serving.request_router import kvfold_router_config
+from kvfold.serving.settings import FrontDoorSettings
+from tests.integration.conftest import wait_until
+
+pytestmark = pytest.mark.engines
+
+B = 32
+BLOCKS = 64  # 63 usable: the preemption recipe of the vLLM fixture's README
+ENGINES = 3
+QUEUE_LIMIT = 12  # a burst of 48 overflows it: some are answered 429
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+@dataclass
+class Door:
+    fleet: EngineFleet
+    kv: Any
+    app: FrontDoorApp
+    tokenizer: PromptTokenizer
+
+    def post(
+        self, path: str, body: dict[str, Any], timeout_s: float = 180
+    ) -> tuple[int, dict[str, str], bytes]:
+        return post(self.app.url + path, body, timeout_s)
+
+    def metrics(self, i: int) -> Any:
+        text = urllib.request.urlopen(self.fleet.urls[i] + "/metrics", timeout=30).read().decode()
+        return parse_vllm_metrics(text)["0"]
+
+
+def post(
+    url: str, body: dict[str, Any], timeout_s: float = 180
+) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+@pytest.fixture(scope="module")
+def door(engine_python: str, tiny_llama_dir: str) -> Iterator[Door]:
+    settings = VLLMServerSettings(
+        python=engine_python, model_dir=tiny_llama_dir, block_size=B, num_gpu_blocks=BLOCKS,
+        max_num_seqs=16, max_model_len=1024,
+    )  # fmt: skip
+    fleet = EngineFleet(settings, ENGINES)
+    fleet.start()
+    cluster = start_local_cluster(num_nodes=1, gpus_per_node=ENGINES)
+    try:
+        kv = launch(ENGINES, ENGINES, engines=fleet.endpoints, dead_after_s=2.0)
+        app = serve_front_door(
+            FrontDoorSettings(
+                engine_urls=tuple(fleet.urls),
+                model_dir=tiny_llama_dir,
+                namespace=kv.namespace,
+                queue_limit=QUEUE_LIMIT,
+                queue_timeout_s=120.0,
+                http_port=free_loopback_port(),
+            )
+        )
+        yield Door(fleet, kv, app, PromptTokenizer(tiny_llama_dir))
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            cluster.shutdown()
+            fleet.stop()
+
+
+def test_prompts_are_tokenized_as_the_engine_tokenizes_them(door: Door) -> None:
+    texts = ["Hello the cache block! 123", "  rank\tnode\n\nhost tier?", "über 日本 ✓"]
+    for text in texts:
+        body = {"model": "tiny-llama", "prompt": text, "max_tokens": 2, "return_token_ids": True}
+        status, headers, data = door.post("/v1/completions", body)
+        assert status == 200, data
+        engine_ids = json.loads(data)["choices"][0]["prompt_token_ids"]
+        assert door.tokenizer.ids(parse_completion(body)) == engine_ids
+        want = -(-(len(engine_ids) + 2) // B)
+        assert headers["x-kvfold-committed-blocks"] == str(want)
+    chats = [
+        [{"role": "user", "content": "hi there"}],
+        [{"role": "system", "content": "be brief "}, {"role": "user", "content": "rank?"}],
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ],
+    ]
+    for messages in chats:
+        for extra in ({}, {"add_generation_prompt": False}):
+            body = {"model": "tiny-llama", "messages": messages, "max_tokens": 2,
+                    "return_token_ids": True, **extra}  # fmt: skip
+            status, _, data = door.post("/v1/chat/completions", body)
+            assert status == 200, data
+            assert door.tokenizer.ids(parse_chat(body)) == json.loads(data)["prompt_token_ids"]
+
+
+def burst(rng: random.Random, n: int) -> list[dict[str, Any]]:
+    """The fixture README's preemption recipe: prompts of 200-600 random ids, 64-200 new
+    tokens each, generated to the end."""
+    return [
+        {
+            "model": "tiny-llama",
+            "prompt": [rng.randrange(3, 1024) for _ in range(rng.randint(200, 600))],
+            "max_tokens": rng.randint(64, 200),
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        for _ in range(n)
+    ]
+
+
+def engines(door: Door) -> dict[int, dict[str, Any]]:
+    """The door's word on each engine: committed, running, live, the engine's gauge."""
+    out: dict[int, dict[str, Any]] = door.app.stats()["engines"]
+    return out
+
+
+def preemptions(door: Door) -> list[int]:
+    return [int(door.metrics(i).num_preemptions) for i in range(ENGINES)]
+
+
+def test_through_kvfold_no_engine_preempts_where_round_robin_does(door: Door) -> None:
+    rng = random.Random(11)
+    before = preemptions(door)
+    direct = burst(rng, 16 * ENGINES)
+    with ThreadPoolExecutor(len(direct)) as pool:
+        answers = list(pool.map(
+            lambda ib: post(door.fleet.urls[ib[0] % ENGINES] + "/v1/completions", ib[1]),
+            enumerate(direct),
+        ))  # fmt: skip
+    assert all(a[0] == 200 for a in answers)
+    after_direct = preemptions(door)
+    assert sum(after_direct) > sum(before), "the load must make round robin preempt"
+    # the door's cross-check saw that traffic, which was not its own; then the engines idle
+    wait_until(lambda: all(e["used_blocks"] == 0 for e in engines(door).values()), timeout_s=30)
+    foreign = {r: e["above_committed"] for r, e in engines(door).items()}
+    assert sum(foreign.values()) > 0
+
+    sampled: list[tuple[int, int, int]] = []  # engine, used by its /metrics, kvfold committed
+    done = False
+
+    def sample() -> None:
+        while not done:
+            for i in range(ENGINES):
+                t0 = time.time()
+                used = door.metrics(i).num_blocks_used
+                t1 = time.time()
+                most = ray.get(door.app.door.committed_between.remote(i, t0, t1))
+                sampled.append((i, used, most))
+
+    through = burst(rng, 16 * ENGINES)
+    with ThreadPoolExecutor(len(through) + 1) as pool:
+        watcher = pool.submit(sample)
+        answers = list(pool.map(lambda b: door.post("/v1/completions", b), through))
+        done = True
+        watcher.result()
+    statuses = [a[0] for a in answers]
+    assert set(statuses) <= {200, 429}, [a for a in answers if a[0] not in (200, 429)][:2]
+    assert statuses.count(200) >= QUEUE_LIMIT  # what ran, and all that could wait, got through
+    for status, headers, _ in answers:
+        if status == 429:
+            assert int(headers["retry-after"]) >= 1
+    assert preemptions(door) == after_direct  # the engines' own counters did not move
+    assert len(sampled) >= ENGINES and any(u > 0 for _, u, _ in sampled)
+    assert all(used <= most for _, used, most in sampled), [s for s in sampled if s[1] > s[2]]
+    stats = wait_until(
+        lambda: (
+            (s := door.app.stats())["queued"] == 0
+            and all(e["committed_blocks"] == 0 for e in s["engines"].values())
+            and s
+        ),
+        timeout_s=30,
+    )
+    assert {r: e["above_committed"] for r, e in stats["engines"].items()} == foreign
+    assert stats["refused"].get("queue_full", 0) == statuses.count(429)
+
+
+def test_openai_routes_pass_through_and_what_cannot_be_counted_is_refused(door: Door) -> None:
+    body = {"model": "tiny-llama", "prompt": "the rank holds a block", "max_tokens": 6,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    status, headers, data = door.post("/v1/completions", body)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [e for e in data.decode().split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 7  # a chunk per token, then DONE
+    models = json.loads(urllib.request.urlopen(door.app.url + "/v1/models").read())
+    assert models["data"][0]["id"] == "tiny-llama"
+    health = json.loads(urllib.request.urlopen(door.app.url + "/health").read())
+    assert health["live_engines"] == [0, 1, 2]
+    for bad, param in (
+        ({"prompt": [1, -1]}, "prompt"),
+        ({"prompt": [1], "max_tokens": 0}, "max_tokens"),
+    ):
+        status, _, data = door.post("/v1/completions", {"model": "tiny-llama", **bad})
+        assert status == 400 and json.loads(data)["error"]["param"] == param
+    status, _, data = door.post("/v1/completions", {"model": "tiny-llama", "prompt": [5] * 1100})
+    assert status == 400 and "prompt_too_long" in json.loads(data)["error"]["message"]
+    status, _, data = door.post("/v1/completions", {"model": "tiny-llama", "prompt": [5] * 900,
+                                                     "max_tokens": 100, "n": 3})  # fmt: skip
+    assert status == 400 and "exceeds_engine_capacity" in json.loads(data)["error"]["message"]
+    assert all(e["committed_blocks"] == 0 for e in door.app.stats()["engines"].values())
+
+
+def test_kvfolds_request_router_routes_a_serve_deployment_of_the_engines(door: Door) -> None:
+    handle = serve.run(
+        engine_deployment(door.fleet.urls, kvfold_router_config(door.kv.namespace)),
+        name="engines-routed",
+        route_prefix="/engines-routed",
+    )
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 1024) for _ in range(8 * B)]
+    first = handle.generate.remote(
+        "/v1/completions", {"model": "tiny-llama", "prompt": [*prefix, 1], "max_tokens": 2}
+    ).result(timeout_s=120)
+    engine = first["kvfold_rank"]
+    # the engine's stored blocks reach the index through its KV events
+    wait_until(
+        lambda: door.kv.client.index().match([*prefix, 2]).gpu.get(engine, 0) == 8, timeout_s=30
+    )
+    again = handle.generate.remote(
+        "/v1/completions", {"model": "tiny-llama", "prompt": [*prefix, 2], "max_tokens": 2}
+    ).result(timeout_s=120)
+    assert again["kvfold_rank"] == engine
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * B
+    wait_until(
+        lambda: all(e["committed_blocks"] == 0 for e in door.app.stats()["engines"].values()),
+        timeout_s=30,
+    )
+    serve.delete("engines-routed")
+
+
+def test_nothing_the_front_door_starts_listens_beyond_loopback(door: Door) -> None:
+    ours = {p.pid: p for p in psutil.Process(os.getpid()).children(recursive=True)}
+    assert any("ServeReplica" in " ".join(p.cmdline()) or "ServeReplica" in p.name()
+               for p in ours.values())  # fmt: skip
+    wide = []
+    for pid, p in ours.items():
+        try:
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN and c.laddr.ip not in LOOPBACK:
+                    wide.append((pid, p.name(), c.laddr.ip, c.laddr.port))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    assert not wide, wide
+
+
+def test_an_engine_killed_mid_run_fails_its_requests_by_name_and_frees_them(door: Door) -> None:
+    rng = random.Random(3)
+    bodies = [{**b, "max_tokens": 400, "stream": True} for b in burst(rng, 9)]
+    victim = door.fleet.servers[2]
+    streaming_from_victim = threading.Event()
+
+    def stream(body: dict[str, Any]) -> tuple[str, bytes]:
+        """Which engine answered, and the whole stream; marks a stream of the victim's
+        that has begun."""
+        req = urllib.request.Request(
+            door.app.url + "/v1/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as r:
+            engine = r.headers["x-kvfold-engine"]
+            first = r.read1()
+            if engine == "2":
+                streaming_from_victim.set()
+            return engine, first + r.read()
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(stream, b) for b in bodies]
+        assert streaming_from_victim.wait(timeout=120)
+        os.killpg(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        answers = [f.result(timeout=180) for f in futures]  # nothing waits forever
+    broken = [data for engine, data in answers if engine == "2"]
+    assert broken, "a stream of the killed engine had begun"
+    for data in broken:  # the stream ends with an error event that names the engine
+        last = [e for e in data.decode().split("\n\n") if e.startswith("data: ")][-1]
+        error = json.loads(last.removeprefix("data: "))["error"]
+        assert error["type"] == "engine_failed" and "engine rank 2" in error["message"]
+    for engine, data in answers:
+        if engine != "2":
+            assert data.rstrip().endswith(b"data: [DONE]")
+    wait_until(lambda: engines(door)[2]["committed_blocks"] == 0, timeout_s=30)
+    wait_until(lambda: not engines(door)[2]["live"], timeout_s=30)
+    status, headers, _ = door.post(
+        "/v1/completions", {"model": "tiny-llama", "prompt": [7] * 40, "max_tokens": 2}
+    )
+    assert status == 200 and headers["x-kvfold-engine"] in ("0", "1")
+    victim.stop()
