@@ -10,6 +10,8 @@ kvfold top                       the view, live
 kvfold down                      stop kvfold's actors
 kvfold replay TRACE              replay a Mooncake .jsonl or Azure .csv trace
 kvfold compare TRACE             the same trace under every router, side by side
+kvfold bench-serve TRACE         the trace as HTTP requests on real vLLM engines: round robin,
+                                 Serve's router, kvfold's front door (docs/serving.md)
 
 The workload commands (demo, replay, compare) are in kvfold.cli_traces, the flags and
 process settings they all share in kvfold.cli_args.
@@ -32,6 +34,7 @@ from kvfold.cli_args import (
     metrics_args,
     ray_env,
 )
+from kvfold.cli_serve import bench_serve_parser
 from kvfold.cli_traces import compare_parser, demo_parser, replay_parser
 
 
@@ -143,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser(sub)
     replay_parser(sub)
     compare_parser(sub)
+    bench_serve_parser(sub)
     u = sub.add_parser("up", help="start kvfold on a running Ray cluster (detached)")
     connect_args(u)
     add_cluster_args(u, blocks=1024, tpb=16, windows="full")

@@ -86,7 +86,6 @@ class VLLMServerSettings:
                     "than events_endpoint"
                 )
 
-
     @property
     def serves_text(self) -> bool:
         """Whether the engine loads its tokenizer (and so takes text prompts and chats)."""

@@ -217,6 +217,10 @@ class DoorActor:
     async def release(self, request_id: str) -> int | None:
         """The request ended; its blocks are free again. Returns its engine (None: it held
         none, or was still queued). Idempotent."""
+        return self.release_now(request_id)
+
+    def release_now(self, request_id: str) -> int | None:
+        """release(), called in the door's own event loop."""
         held = self.adm.placement(request_id)
         if held is None and not self.adm.is_queued(request_id):
             self._released_early[request_id] = None
@@ -331,6 +335,10 @@ class DoorActor:
 
     def _retry_after_s(self) -> float:
         return max(1.0, self.settings.refresh_s)
+
+    def start_following(self) -> None:
+        """Follow the view and the block index from now on (in the running event loop)."""
+        self._ensure_following()
 
     def _ensure_following(self) -> None:
         if self._follower is None or self._follower.done():

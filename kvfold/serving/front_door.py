@@ -18,7 +18,10 @@ HTTP statuses of the door's own: 400 (a body it cannot count, a prompt no engine
 502 (the engine failed; the message names it), 503 (no door, or no engine fresh).
 """
 
+import json
 import logging
+import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -29,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from kvfold.serving.door_actor import Admitted, NotAdmitted, get_door, start_door
+from kvfold.serving.door_actor import Admitted, DoorActor, NotAdmitted, get_door, start_door
 from kvfold.serving.forward import (
     EngineFailed,
     error_body,
@@ -68,13 +71,47 @@ def _kvfold(headers: dict[str, str], a: Admitted) -> dict[str, str]:
     }
 
 
+class DoorOf:
+    """The door as the front door calls it: in this replica (shared_door=False: no Ray call
+    on a request's path) or the namespace's door actor (shared_door=True)."""
+
+    def __init__(self, settings: FrontDoorSettings) -> None:
+        self.local: DoorActor | None = None if settings.shared_door else DoorActor(settings)
+        self.actor: Any = get_door(settings.namespace) if settings.shared_door else None
+
+    async def admit(self, *args: Any) -> Admitted | NotAdmitted:
+        if self.local is not None:
+            return await self.local.admit(*args)
+        answer: Admitted | NotAdmitted = await self.actor.admit.remote(*args)
+        return answer
+
+    def release(self, request_id: str) -> None:
+        if self.local is not None:
+            self.local.release_now(request_id)
+        else:
+            self.actor.release.remote(request_id)  # answered in order with the admit
+
+    async def stats(self) -> dict[str, Any]:
+        if self.local is not None:
+            self.local.start_following()
+            return self.local.stats()
+        stats: dict[str, Any] = await self.actor.stats.remote()
+        return stats
+
+    async def committed_between(self, engine: int, t0: float, t1: float) -> int:
+        if self.local is not None:
+            return self.local.committed_between(engine, t0, t1)
+        most: int = await self.actor.committed_between.remote(engine, t0, t1)
+        return most
+
+
 @serve.deployment(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class FrontDoor:
     def __init__(self, settings: FrontDoorSettings) -> None:
         self.settings = settings
         self.tokenizer = PromptTokenizer(settings.model_dir)
-        self.door = get_door(settings.namespace)
+        self.door = DoorOf(settings)
         self._session: Any = None
 
     def _http(self) -> Any:
@@ -103,7 +140,7 @@ class FrontDoor:
     @app.get("/health")
     async def health(self) -> Response:
         try:
-            stats = await self.door.stats.remote()
+            stats = await self.door.stats()
         except Exception as e:
             return _json(503, error_body(f"the door does not answer: {e!r}", "unavailable", 503))
         live = [r for r, e in stats["engines"].items() if e["live"]]
@@ -112,7 +149,13 @@ class FrontDoor:
 
     @app.get("/kvfold/stats")
     async def stats(self) -> Response:
-        return JSONResponse(await self.door.stats.remote())
+        return JSONResponse(await self.door.stats())
+
+    @app.get("/kvfold/committed")
+    async def committed(self, engine: int, t0: float, t1: float) -> Response:
+        """The most the door committed on `engine` at any time in [t0, t1] (wall clock)."""
+        most = await self.door.committed_between(engine, t0, t1)
+        return JSONResponse({"engine": engine, "committed_blocks": most})
 
     # -- one request ---------------------------------------------------------------------
 
@@ -141,9 +184,7 @@ class FrontDoor:
         avoid: list[int] = []
         for attempt in (0, 1):
             try:
-                admitted: Admitted | NotAdmitted = await self.door.admit.remote(
-                    rid, ids, req.max_tokens, req.n, None, avoid
-                )
+                admitted = await self.door.admit(rid, ids, req.max_tokens, req.n, None, avoid)
             except BaseException:
                 self._release(rid)  # cancelled while queued (its client went away), or worse
                 raise
@@ -196,24 +237,39 @@ class FrontDoor:
         )  # fmt: skip
 
     def _release(self, rid: str) -> None:
-        self.door.release.remote(rid)  # answered in order with the admit; nothing to wait on
+        self.door.release(rid)  # nothing to wait on
 
 
 @dataclass
 class FrontDoorApp:
-    """A running front door: its URL, its door actor; shutdown() takes the app down."""
+    """A running front door: its URL (and its door actor, when shared); shutdown() takes
+    the app down."""
 
     settings: FrontDoorSettings
     url: str
-    door: Any
+    door: Any = None
 
     def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = ray.get(self.door.stats.remote())
+        """The door's commitments, queue and counts (GET /kvfold/stats); engines by rank."""
+        stats: dict[str, Any] = _get_json(self.url + "/kvfold/stats")
+        stats["engines"] = {int(r): e for r, e in stats["engines"].items()}
         return stats
+
+    def committed_between(self, engine: int, t0: float, t1: float) -> int:
+        """The most the door committed on `engine` at any time in [t0, t1] (wall clock)."""
+        q = f"/kvfold/committed?engine={engine}&t0={t0!r}&t1={t1!r}"
+        return int(_get_json(self.url + q)["committed_blocks"])
 
     def shutdown(self) -> None:
         serve.delete(self.settings.app_name)
-        ray.kill(self.door)
+        if self.door is not None:
+            ray.kill(self.door)
+
+
+def _get_json(url: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
 
 
 def start_serve(http_host: str = "127.0.0.1", http_port: int = 8000) -> None:
@@ -230,12 +286,25 @@ def serve_front_door(settings: FrontDoorSettings, timeout_s: float = 120.0) -> F
         log.warning("kvfold front door: serving HTTP on %s, beyond loopback, as asked",
                     settings.http_host)  # fmt: skip
     start_serve(settings.http_host, settings.http_port)
-    door = start_door(settings)
-    ray.get(door.ready.remote(), timeout=timeout_s)
+    door = None
+    if settings.shared_door:
+        door = start_door(settings)
+        ray.get(door.ready.remote(), timeout=timeout_s)
     deployment: Any = FrontDoor.options(num_replicas=settings.num_replicas)  # type: ignore[attr-defined]
     serve.run(deployment.bind(settings), name=settings.app_name, route_prefix=settings.route_prefix)
     host = "127.0.0.1" if settings.http_host in ("0.0.0.0", "::") else settings.http_host
     url = f"http://{host}:{settings.http_port}{settings.route_prefix.rstrip('/')}"
+    deadline = time.monotonic() + timeout_s
+    while True:  # every engine fresh, as the door sees the view
+        try:
+            health = _get_json(url + "/health", timeout_s=10)
+            if len(health["live_engines"]) == len(settings.engine_urls):
+                break
+        except (OSError, ValueError, KeyError):  # 503 until an engine is fresh
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the front door at {url} saw no fresh engines in {timeout_s} s")
+        time.sleep(0.1)
     return FrontDoorApp(settings, url, door)
 
 

@@ -31,7 +31,11 @@ class FrontDoorSettings:
     max_running_per_engine: int | None = None  # the engines' max_num_seqs, or None
     prefix_weight: float = 1.0  # precise_prefix: blocks to prefill against blocks held
     refresh_s: float = 0.05  # how often the door follows the view and the block index
-    num_replicas: int = 1  # front-door replicas (they share one door actor)
+    num_replicas: int = 1  # front-door replicas (more than one needs shared_door)
+    # False: the door lives in the front door's one replica (no Ray call per request; nothing
+    # else may admit onto these engines). True: one named door actor that every replica and
+    # every kvfold RequestRouter in the namespace shares.
+    shared_door: bool = False
     app_name: str = "kvfold-front-door"
     route_prefix: str = "/"
     http_host: str = "127.0.0.1"
@@ -62,6 +66,11 @@ class FrontDoorSettings:
                 raise ValueError(f"{name}={value!r}: allowed: an int >= 0")
         if type(self.num_replicas) is not int or self.num_replicas <= 0:
             raise ValueError(f"num_replicas={self.num_replicas!r}: allowed: an int > 0")
+        if self.num_replicas > 1 and not self.shared_door:
+            raise ValueError(
+                f"num_replicas={self.num_replicas} with shared_door=False: allowed: one "
+                "replica, or shared_door=True (the replicas then share one door actor)"
+            )
         if self.max_running_per_engine is not None and (
             type(self.max_running_per_engine) is not int or self.max_running_per_engine <= 0
         ):

@@ -25,7 +25,7 @@ cli.main(sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("command", ["demo", "replay", "compare"])
+@pytest.mark.parametrize("command", ["demo", "replay", "compare", "bench-serve"])
 def test_nothing_before_the_embedded_cluster_imports_ray(command: str, tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     row = {"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}
@@ -34,6 +34,7 @@ def test_nothing_before_the_embedded_cluster_imports_ray(command: str, tmp_path:
         "demo": ["demo"],
         "replay": ["replay", str(trace), "--schedulers", "2"],
         "compare": ["compare", str(trace), "--limit", "1"],
+        "bench-serve": ["bench-serve", str(trace), "--limit", "1"],
     }[command]
     res = subprocess.run(
         [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=120

@@ -1,0 +1,119 @@
+"""What kvfold's admission and routing add to a request, measured in one run on real vLLM
+engines (kvfold.serving): the same small request, one at a time, round after round, three
+ways in turn:
+
+    direct          straight to an engine (no Serve)
+    serve_default   Serve's proxy, a replica fronting the engine, Serve's default router
+                    (the anchor: the same Serve application shape without kvfold)
+    front_door      Serve's proxy, kvfold's front door replica: the door's decision
+                    (precise_prefix), the engine, the release
+
+The figure is front_door's median minus serve_default's, target <= 1 ms; beside it, the
+door's own admit call as the front door saw it (`x-kvfold-waited-ms`, which includes the
+Ray actor call) and the ratio of the two medians.
+
+    python benchmarks/bench_front_door.py [--rounds 200] [--engines 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _report import info, report
+
+from kvfold.ray_env import apply_local_defaults
+
+REPO = Path(__file__).resolve().parents[1]
+
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("--rounds", type=int, default=200)
+p.add_argument("--engines", type=int, default=2)
+p.add_argument("--engine-python", default=str(REPO / ".venv-engine" / "bin" / "python"))
+p.add_argument("--model-dir", default=str(REPO / "tests" / "fixtures" / "tiny-llama"))
+args = p.parse_args()
+apply_local_defaults(None)
+
+from ray import serve
+
+from kvfold.cluster import launch, start_local_cluster
+from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port
+from kvfold.serving.engine_fleet import EngineFleet
+from kvfold.serving.engine_replica import engine_deployment
+from kvfold.serving.front_door import serve_front_door, start_serve
+from kvfold.serving.settings import FrontDoorSettings
+
+
+def timed_post(url: str, body: dict[str, object]) -> tuple[float, dict[str, str]]:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=60) as r:
+        r.read()
+        return time.perf_counter() - t0, {k.lower(): v for k, v in r.headers.items()}
+
+
+cluster = start_local_cluster(num_nodes=1, gpus_per_node=args.engines)
+fleet = EngineFleet(
+    VLLMServerSettings(python=args.engine_python, model_dir=args.model_dir, num_gpu_blocks=64),
+    args.engines,
+)
+try:
+    fleet.start()
+    kv = launch(args.engines, args.engines, engines=fleet.endpoints)
+    port = free_loopback_port()
+    start_serve(http_port=port)
+    serve.run(engine_deployment(fleet.urls), name="engines", route_prefix="/engines")
+    door = serve_front_door(
+        FrontDoorSettings(
+            engine_urls=tuple(fleet.urls),
+            model_dir=args.model_dir,
+            namespace=kv.namespace,
+            http_port=port,
+        )
+    )
+    ways = {
+        "direct": fleet.urls[0] + "/v1/completions",
+        "serve_default": f"http://127.0.0.1:{port}/engines/v1/completions",
+        "front_door": door.url + "/v1/completions",
+    }
+    body = {"model": "tiny-llama", "prompt": list(range(3, 67)), "max_tokens": 1}
+    for url in ways.values():  # warm every path: connections, imports, first compiles
+        for _ in range(5):
+            try:
+                timed_post(url, body)
+            except urllib.error.HTTPError as e:
+                stats = urllib.request.urlopen(door.url + "/kvfold/stats").read()
+                raise SystemExit(f"{url}: {e.code} {e.read()[:500]!r} {stats!r}") from e
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    waited: list[float] = []
+    for _ in range(args.rounds):
+        for way, url in ways.items():
+            dt, headers = timed_post(url, body)
+            times[way].append(dt)
+            if way == "front_door":
+                waited.append(float(headers["x-kvfold-waited-ms"]))
+    med = {w: statistics.median(t) * 1e3 for w, t in times.items()}
+    for w in ways:
+        info(f"{w}: request p50 ({args.rounds} rounds)", med[w], "ms")
+    info(
+        "front_door: the door's admit, as the replica saw it, p50", statistics.median(waited), "ms"
+    )
+    report("front door over Serve's default router, p50", med["front_door"] - med["serve_default"],
+           "ms", 1.0)  # fmt: skip
+    info("ratio front_door / serve_default p50", med["front_door"] / med["serve_default"], "x")
+    door.shutdown()
+finally:
+    try:
+        serve.shutdown()
+    finally:
+        cluster.shutdown()
+        fleet.stop()

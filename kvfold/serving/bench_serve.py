@@ -1,0 +1,265 @@
+"""`kvfold bench-serve TRACE`: a trace replayed as real HTTP requests against N real vLLM
+engines, four ways in one run, judged by the engines' own counters and the client's clock.
+
+    round_robin     straight to the engines, in turn, no admission
+    serve_default   the engines as Ray Serve replicas behind Serve's proxy and its default
+                    router (power of two choices); Serve's LLM prefix router needs GPU builds
+                    of vLLM (`ray[llm]`) and cannot run on these machines
+    least_loaded    kvfold's front door, least committed engine
+    precise_prefix  kvfold's front door, by what each engine holds (the block index)
+
+Per arm, from the engines: prompt tokens served from cache (`vllm:prefix_cache_hits`) and
+preemptions (`vllm:num_preemptions`), as deltas over the arm; from the client: time to first
+token (the first streamed chunk carrying text) and end-to-end latency, requests answered,
+refused (429) and failed. Every arm starts from empty engine caches (POST
+/reset_prefix_cache) and idle engines.
+
+    run_bench(...)  -> list of rows (one per arm); write_outputs(rows, out_dir)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvfold.engines.vllm_metrics import parse_vllm_metrics
+from kvfold.serving.bench_trace import ServeRequest
+
+ARMS = ("round_robin", "serve_default", "least_loaded", "precise_prefix")
+COLUMNS = (
+    "arm",
+    "requests",
+    "completed",
+    "refused_429",
+    "failed",
+    "prompt_tokens",
+    "cached_tokens",
+    "cached_fraction",
+    "preemptions",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "e2e_p50_ms",
+    "e2e_p90_ms",
+    "wall_s",
+)
+
+
+@dataclass
+class Outcome:
+    status: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    error: str = ""
+
+
+@dataclass
+class EngineCounters:
+    cached_tokens: int = 0
+    preemptions: int = 0
+    running: int = 0
+    waiting: int = 0
+    per_engine: list[dict[str, int]] = field(default_factory=list)
+
+
+def engine_counters(urls: Sequence[str]) -> EngineCounters:
+    out = EngineCounters()
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            m = parse_vllm_metrics(r.read().decode())["0"]
+        one = {
+            "cached_tokens": int(m.prefix_cache_hits_tokens or 0),
+            "preemptions": int(m.num_preemptions or 0),
+        }
+        out.per_engine.append(one)
+        out.cached_tokens += one["cached_tokens"]
+        out.preemptions += one["preemptions"]
+        out.running += int(m.num_requests_running or 0)
+        out.waiting += int(m.num_requests_waiting or 0)
+    return out
+
+
+def reset_caches(urls: Sequence[str], timeout_s: float = 60.0) -> None:
+    """Wait until every engine is idle, then empty its prefix cache."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        c = engine_counters(urls)
+        if c.running == 0 and c.waiting == 0:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engines still busy after {timeout_s} s: {c}")
+        time.sleep(0.2)
+    for url in urls:
+        req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+        urllib.request.urlopen(req, timeout=30).read()
+
+
+async def replay_http(
+    requests: Sequence[ServeRequest],
+    target: Callable[[int], str],
+    model: str,
+    timeout_s: float = 600.0,
+) -> list[Outcome]:
+    """Send each request at its arrival time (streamed, greedy, generated to max_tokens)
+    to `target(i)` + /v1/completions; what the client saw of each."""
+    import aiohttp
+
+    t0 = time.monotonic()
+    out = [Outcome() for _ in requests]
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+
+        async def one(i: int, r: ServeRequest) -> None:
+            await asyncio.sleep(max(0.0, r.arrival_s - (time.monotonic() - t0)))
+            body = {
+                "model": model,
+                "prompt": list(r.prompt),
+                "max_tokens": r.max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+            }
+            sent = time.monotonic()
+            o = out[i]
+            try:
+                async with session.post(target(i) + "/v1/completions", json=body) as resp:
+                    o.status = resp.status
+                    if resp.status != 200:
+                        o.error = (await resp.read())[:200].decode(errors="replace")
+                        return
+                    async for line in resp.content:
+                        first = o.ttft_s is None and line.startswith(b"data: {")
+                        if first and b'"text":""' not in line:
+                            o.ttft_s = time.monotonic() - sent
+                        if b'"error"' in line:
+                            o.error = line[:200].decode(errors="replace")
+                    o.e2e_s = time.monotonic() - sent
+            except Exception as e:
+                o.error = repr(e)[:200]
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    return out
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def summarize(
+    arm: str,
+    requests: Sequence[ServeRequest],
+    outcomes: Sequence[Outcome],
+    before: EngineCounters,
+    after: EngineCounters,
+    wall_s: float,
+) -> dict[str, Any]:
+    done = [o for o in outcomes if o.status == 200 and not o.error and o.e2e_s is not None]
+    ttft = [o.ttft_s for o in done if o.ttft_s is not None]
+    e2e = [o.e2e_s for o in done if o.e2e_s is not None]
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    cached = after.cached_tokens - before.cached_tokens
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1e3, 1)
+
+    return {
+        "arm": arm,
+        "requests": len(requests),
+        "completed": len(done),
+        "refused_429": sum(1 for o in outcomes if o.status == 429),
+        "failed": sum(1 for o in outcomes if o.status not in (200, 429) or o.error),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "cached_fraction": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
+        "preemptions": after.preemptions - before.preemptions,
+        "ttft_p50_ms": ms(_pct(ttft, 0.5)),
+        "ttft_p90_ms": ms(_pct(ttft, 0.9)),
+        "ttft_p99_ms": ms(_pct(ttft, 0.99)),
+        "e2e_p50_ms": ms(_pct(e2e, 0.5)),
+        "e2e_p90_ms": ms(_pct(e2e, 0.9)),
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def run_arm(
+    arm: str,
+    requests: Sequence[ServeRequest],
+    engine_urls: Sequence[str],
+    target: Callable[[int], str],
+    model: str,
+) -> dict[str, Any]:
+    reset_caches(engine_urls)
+    before = engine_counters(engine_urls)
+    t0 = time.monotonic()
+    outcomes = asyncio.run(replay_http(requests, target, model))
+    wall = time.monotonic() - t0
+    reset_caches(engine_urls, timeout_s=120.0)  # idle again: every counter is in
+    after = engine_counters(engine_urls)
+    return summarize(arm, requests, outcomes, before, after, wall)
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    cols = [c for c in COLUMNS if c not in ("prompt_tokens",)]
+    widths = {c: max(len(c), *(len(str(r.get(c))) for r in rows)) for c in cols}
+    lines = ["  ".join(c.rjust(widths[c]) for c in cols)]
+    for r in rows:
+        lines.append("  ".join(str(r.get(c)).rjust(widths[c]) for c in cols))
+    return "\n".join(lines)
+
+
+def write_outputs(rows: Sequence[dict[str, Any]], meta: dict[str, Any], out_dir: str) -> list[Path]:
+    """bench_serve.json (rows and how they were made), .csv, and .png (three panels)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / "bench_serve.json"
+    js.write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=2) + "\n")
+    csv_path = out / "bench_serve.csv"
+    with open(csv_path, "w", encoding="utf-8") as f:
+        f.write(",".join(COLUMNS) + "\n")
+        for r in rows:
+            f.write(",".join("" if r.get(c) is None else str(r.get(c)) for c in COLUMNS) + "\n")
+    png = out / "bench_serve.png"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    names = [r["arm"] for r in rows]
+    panels = (
+        ("prompt tokens from cache (engines' count)", [r["cached_tokens"] for r in rows]),
+        ("TTFT p90 (ms, client)", [r["ttft_p90_ms"] or 0 for r in rows]),
+        ("preemptions (engines' count)", [r["preemptions"] for r in rows]),
+    )
+    for ax, (title, values) in zip(axes, panels, strict=True):
+        ax.bar(names, values, color=["#999", "#bbb", "#6a9", "#27a"][: len(names)])
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return [js, csv_path, png]
+
+
+__all__ = [
+    "ARMS",
+    "COLUMNS",
+    "engine_counters",
+    "format_table",
+    "replay_http",
+    "reset_caches",
+    "run_arm",
+    "summarize",
+    "write_outputs",
+]
