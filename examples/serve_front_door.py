@@ -1,7 +1,6 @@
-"""Requests through kvfold onto real vLLM engines, both ways (docs/serving.md):
-
-1. kvfold's front door: an OpenAI-compatible Ray Serve app; send it OpenAI requests.
-2. kvfold's RequestRouter: engines deployed as Serve replicas gain kvfold's routing.
+"""Requests through kvfold's front door onto real vLLM engines (docs/serving.md): an
+OpenAI-compatible Ray Serve app; send it OpenAI requests. (kvfold's RequestRouter, the other
+way, runs in tests/engines/test_front_door.py.)
 
     python examples/serve_front_door.py            # 2 engines, an embedded Ray cluster
 
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import urllib.request
 
 from kvfold.ray_env import apply_local_defaults
@@ -31,9 +29,7 @@ from ray import serve  # noqa: E402
 from kvfold.cluster import launch, start_local_cluster  # noqa: E402
 from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port  # noqa: E402
 from kvfold.serving.engine_fleet import EngineFleet  # noqa: E402
-from kvfold.serving.engine_replica import engine_deployment  # noqa: E402
 from kvfold.serving.front_door import serve_front_door  # noqa: E402
-from kvfold.serving.request_router import kvfold_router_config  # noqa: E402
 from kvfold.serving.settings import FrontDoorSettings  # noqa: E402
 
 
@@ -83,19 +79,6 @@ try:
     print("door:", {r: e["committed_blocks"] for r, e in door.stats()["engines"].items()},
           "blocks committed once every answer ended")  # fmt: skip
 
-    # 2. The RequestRouter: the same engines as Serve replicas, routed by kvfold.
-    handle = serve.run(
-        engine_deployment(engines.urls, kvfold_router_config(kv.namespace)),
-        name="engines",
-        route_prefix="/engines",
-    )
-    rng = random.Random(0)
-    prefix = [rng.randrange(3, 1024) for _ in range(256)]
-    for i in range(2):
-        body = {"model": "tiny-llama", "prompt": [*prefix, i], "max_tokens": 4}
-        answer = handle.generate.remote("/v1/completions", body).result(timeout_s=120)
-        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-        print(f"router: engine {answer['kvfold_rank']}, {cached} prompt tokens from its cache")
     door.shutdown()
     print("done")
 finally:

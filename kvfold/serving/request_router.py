@@ -66,7 +66,15 @@ class KVFoldRequestRouter(RequestRouter):
             except BadRequest as e:
                 return self._refuse(pending_request, DoorRefused(str(e)))
             rid = f"router-{uuid.uuid4().hex}"
-            admitted = await self._the_door().admit.remote(rid, ids, req.max_tokens, req.n)
+            try:
+                door = self._the_door()
+            except ValueError:
+                return self._refuse(pending_request, DoorRefused(
+                    f"no kvfold door in namespace {self._namespace!r}: start one with "
+                    "kvfold.serving.door_actor.start_door(settings)"))  # fmt: skip
+            admitted = await door.admit.remote(rid, ids, req.max_tokens, req.n)
+            if isinstance(admitted, NotAdmitted) and admitted.reason == "engines_unknown":
+                return []  # the door has not seen the engines yet: Serve backs off, asks again
             if isinstance(admitted, NotAdmitted):
                 return self._refuse(pending_request, DoorRefused(admitted.message))
             held = self._admitted[key] = (rid, admitted)

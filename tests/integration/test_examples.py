@@ -23,6 +23,16 @@ CASES = {
         ["--namespace", "kvfold-ex-query"],
         ["view version", "node 0 (fresh)", "rank 0 (fresh", "next version", "block index:", "done"],
     ),
+    "serve_front_door.py": (
+        ["--engines", "2"],
+        [
+            "vLLM engines serving at",
+            "front door at",
+            "front door: engine",
+            "router: engine",
+            "done",
+        ],
+    ),
     "scheduler_loop.py": (
         ["--namespace", "kvfold-ex-sched", "--requests", "12"],
         ["ADMIT   rank", "completed 12 of 12", "restarted 0, failed 0", "decisions:"],
