@@ -36,7 +36,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check kvfold tests examples benchmarks
 	$(BIN)/mypy kvfold
 
-bench: $(STAMP)
+bench: $(STAMP) $(ENGINE_STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
