@@ -29,7 +29,6 @@ CASES = {
             "vLLM engines serving at",
             "front door at",
             "front door: engine",
-            "router: engine",
             "done",
         ],
     ),

@@ -55,7 +55,10 @@ def test_every_kind_is_read_and_only_those() -> None:
 
 def test_vllm_numbers_are_what_the_rank_reported_before_kinds() -> None:
     n = numbers(VLLM, VLLM_PAGE)
-    assert (n.num_blocks_total, n.tokens_per_block) == (48, 32)  # vllm:cache_config_info
+    assert (n.num_blocks_total, n.tokens_per_block) == (
+        47,
+        32,
+    )  # 48 in cache_config_info, less vLLM's null block
     assert n.num_blocks_used == 0  # usage 0.0 x 48
     assert (n.num_requests_running, n.num_requests_waiting) == (0, 0)
     assert n.num_blocks_cached is None and n.deltas is None
