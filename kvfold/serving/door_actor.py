@@ -23,7 +23,6 @@ import logging
 import pickle
 import time
 import urllib.request
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -42,13 +41,13 @@ from kvfold.serving.door_admission import (
     Refused,
     blocks_needed,
 )
+from kvfold.serving.door_view import CommittedLog, block_sizes, engine_states
 from kvfold.serving.settings import DOOR_ACTOR_NAME, FrontDoorSettings
-from kvfold.view import ClusterView, SourceState
+from kvfold.view import ClusterView
 from kvfold.worker.hashing import as_token_array, block_keys
 
 log = logging.getLogger("kvfold")
 
-COMMITTED_LOG_LEN = 20_000  # per engine: (time, committed) after each change
 CROSS_CHECK_LOOKBACK_S = 2.0  # a gauge is compared with the most committed this far back
 RELEASED_MEMORY = 10_000  # ids released before their admit arrived, refused if it does
 
@@ -115,9 +114,7 @@ class DoorActor:
         self._replica: Replica | None = None
         self._view: ClusterView | None = None
         self._aggregator: Any = None
-        self._log: dict[int, deque[tuple[float, int]]] = {
-            r: deque([(time.time(), 0)], maxlen=COMMITTED_LOG_LEN) for r in settings.engine_ranks
-        }
+        self._log = CommittedLog(settings.engine_ranks, time.time())
         self.max_model_len = [_max_model_len(url) for url in settings.engine_urls]
         self.above_committed: dict[int, int] = {}  # reports of used > committed, per engine
         self.follow_failures = 0
@@ -129,8 +126,7 @@ class DoorActor:
         """Once a view showing every engine fresh was followed: the engines as seen."""
         self._ensure_following()
         while True:
-            live = [r for r in self.settings.engine_ranks if self._engine(r).live]
-            if len(live) == len(self.settings.engine_ranks):
+            if all(e.live for e in self._engines()):
                 return self.stats()
             await asyncio.sleep(self.settings.refresh_s)
 
@@ -230,8 +226,8 @@ class DoorActor:
 
     def stats(self) -> dict[str, Any]:
         engines = {}
-        for r in self.settings.engine_ranks:
-            e = self._engine(r)
+        for e in self._engines():
+            r = e.rank
             engines[r] = {
                 **asdict(e),
                 "url": self.settings.engine_urls[r],
@@ -254,15 +250,7 @@ class DoorActor:
     def committed_between(self, rank: int, t0: float, t1: float) -> int:
         """The most this door had committed on engine `rank` at any time in [t0, t1]
         (wall-clock seconds)."""
-        log_ = self._log[rank]
-        best = 0
-        before = 0
-        for t, c in log_:
-            if t < t0:
-                before = c
-            elif t <= t1:
-                best = max(best, c)
-        return max(best, before)
+        return self._log.most_between(rank, t0, t1)
 
     # -- inside --------------------------------------------------------------------------
 
@@ -286,7 +274,7 @@ class DoorActor:
                 future.set_result(p)
 
     def _logged(self, rank: int) -> None:
-        self._log[rank].append((time.time(), self.adm.committed(rank)))
+        self._log.record(rank, time.time(), self.adm.committed(rank))
 
     def _held_blocks(self, request: DoorRequest) -> dict[int, int]:
         keys = self._keys.get(request.request_id)
@@ -296,12 +284,7 @@ class DoorActor:
         return {r: int(g) for r, g in enumerate(m.gpu) if g}
 
     def _block_size(self) -> int:
-        sizes = {
-            g.tokens_per_block
-            for r in self.settings.engine_ranks
-            for g in (self._gauges(r) or ())
-            if g.tokens_per_block
-        }
+        sizes = block_sizes(self._view, self.settings.engine_ranks)
         if len(sizes) != 1:
             raise QueueRefused(
                 "engines_unknown",
@@ -309,29 +292,10 @@ class DoorActor:
                 "needs one size, known from the view",
                 self._retry_after_s(),
             )
-        size: int = sizes.pop()
-        return size
+        return sizes.pop()
 
-    def _gauges(self, rank: int) -> list[Any] | None:
-        if self._view is None:
-            return None
-        found = self._view.rank_summary(rank)
-        if found is None or found[0].gpu is None:
-            return None
-        return list(found[0].gpu.values())
-
-    def _engine(self, rank: int) -> EngineState:
-        view = self._view
-        found = view.rank_summary(rank) if view is not None else None
-        if found is None or not found[0].gpu:
-            return EngineState(rank, 0, False, None)
-        summary, node_state = found
-        gauges = list(summary.gpu.values()) if summary.gpu else []
-        total = sum(int(g.num_blocks_total) for g in gauges)
-        used = sum(int(g.num_blocks_used) for g in gauges)
-        live = summary.state is SourceState.FRESH and node_state is SourceState.FRESH
-        capacity = max(total - self.settings.watermark_blocks, 0)
-        return EngineState(rank, capacity, live and capacity > 0, used)
+    def _engines(self) -> list[EngineState]:
+        return engine_states(self._view, self.settings.engine_ranks, self.settings.watermark_blocks)
 
     def _retry_after_s(self) -> float:
         return max(1.0, self.settings.refresh_s)
@@ -378,7 +342,7 @@ class DoorActor:
         if self._view is not None and view.version == self._view.version:
             return
         self._view = view
-        states = [self._engine(r) for r in self.settings.engine_ranks]
+        states = self._engines()
         now = time.time()
         for s in states:
             if s.used_blocks is not None and s.live:

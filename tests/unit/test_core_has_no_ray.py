@@ -9,7 +9,7 @@ import sys
 import kvfold
 
 ROOT = pathlib.Path(kvfold.__file__).parent
-SHELLS = ("cli", "metrics", "front_door", "request_router", "engine_replica")  # Ray Serve
+SHELLS = ("cli", "metrics")
 
 
 def core_modules() -> list[str]:

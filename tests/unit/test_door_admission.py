@@ -27,6 +27,7 @@ from kvfold.serving.door_admission import (
     Refused,
     blocks_needed,
 )
+from kvfold.serving.door_view import CommittedLog
 
 CAPACITY = (12, 20, 8)
 QUEUE_LIMIT = 5
@@ -203,3 +204,13 @@ def test_bad_settings_are_named(kwargs: dict[str, object], match: str) -> None:
     policy = kwargs.pop("policy", PRECISE_PREFIX)
     with pytest.raises(ValueError, match=match):
         DoorAdmission(policy, **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_committed_log_says_the_most_promised_over_a_span() -> None:
+    log = CommittedLog([0], now=0.0)
+    for t, c in ((1.0, 5), (2.0, 9), (3.0, 2), (5.0, 0)):
+        log.record(0, t, c)
+    assert log.most_between(0, 2.5, 4.0) == 9  # what held at 2.5 counts (set at 2.0)
+    assert log.most_between(0, 3.0, 4.0) == 2
+    assert log.most_between(0, 0.5, 1.5) == 5
+    assert log.most_between(0, 6.0, 7.0) == 0

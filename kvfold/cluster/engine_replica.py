@@ -1,7 +1,7 @@
 """Engines deployed as Ray Serve replicas, the way Ray Serve users already run them: replica
 i of `EngineReplica` fronts engine i (its OpenAI server). With Serve's default router this
 is the baseline `kvfold bench-serve` measures kvfold against; with kvfold's RequestRouter
-(kvfold.serving.request_router) the same deployment gains kvfold's admission and routing.
+(kvfold.cluster.request_router) the same deployment gains kvfold's admission and routing.
 
     EngineReplica              the deployment: HTTP routes (/v1/completions, ...) and, for
                                deployment handles, generate(path, body)
@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from ray import serve
 
+from kvfold.cluster.serve_loopback import keep_replica_grpc_on_node_address
 from kvfold.serving.forward import (
     EngineFailed,
     error_body,
@@ -26,7 +27,6 @@ from kvfold.serving.forward import (
     post_json,
     sse_error,
 )
-from kvfold.serving.loopback import keep_replica_grpc_on_node_address
 
 keep_replica_grpc_on_node_address()  # imported with the deployment, before its replica serves
 

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from kvfold.cluster.serve_loopback import keep_replica_grpc_on_node_address
 from kvfold.serving.door_actor import Admitted, DoorActor, NotAdmitted, get_door, start_door
 from kvfold.serving.forward import (
     EngineFailed,
@@ -41,7 +42,6 @@ from kvfold.serving.forward import (
     post_json,
     sse_error,
 )
-from kvfold.serving.loopback import keep_replica_grpc_on_node_address
 from kvfold.serving.openai_body import BadRequest, OpenAIRequest, parse_chat, parse_completion
 from kvfold.serving.prompt_tokens import PromptTokenizer
 from kvfold.serving.settings import FrontDoorSettings
