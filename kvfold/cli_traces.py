@@ -69,8 +69,11 @@ def _run_embedded(args: argparse.Namespace, workload: Any, stem: str, replay_cfg
             metrics_port=args.metrics_port,
         )
         view = kv.view()
+        phases = {"cluster": cluster.started_in_s, **kv.launch_phases}
         print(
-            f"kvfold: up in {time.monotonic() - t0:.1f} s: {view.num_nodes} nodes expecting "
+            f"kvfold: up in {time.monotonic() - t0:.1f} s ("
+            + ", ".join(f"{name} {s:.1f} s" for name, s in phases.items())
+            + f"): {view.num_nodes} nodes expecting "
             f"{[n.num_ranks_expected for n in view.nodes]} ranks. From another terminal: "
             f"kvfold status --address {cluster.address} --namespace {DEFAULT_NAMESPACE}",
             flush=True,

@@ -154,6 +154,8 @@ class KVFold:
         self.ray_node_ids = ray_node_ids
         self.client = KVFoldClient(namespace=settings.namespace)
         self._ranks = [RankClient(r, h) for r, h in enumerate(ranks)]
+        # seconds each phase of launch() took, in order (set by launch; empty on attach)
+        self.launch_phases: dict[str, float] = {}
 
     @classmethod
     def attach(cls, namespace: str) -> KVFold:

@@ -11,6 +11,7 @@ PlacementError naming the missing resources, and leaves nothing behind.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -147,15 +148,19 @@ def _deploy(
     engine_factory: EngineFactory | None,
     wait_fresh: bool,
 ) -> KVFold:
-    """Place, start every actor, wait until fresh; on any failure leave nothing behind."""
+    """Place, start every actor, wait until fresh; on any failure leave nothing behind.
+    The handle's `launch_phases` says how long each step took."""
+    clock = PhaseClock()
     if not ray.is_initialized():
         ray.init(address=address, namespace=settings.namespace, log_to_driver=False)
+        clock.mark("connected")
     if named_actor(AGGREGATOR_NAME, settings.namespace) is not None:
         raise KVFoldError(
             f"kvfold is already running in namespace {settings.namespace!r}; "
             "run `kvfold down` first"
         )
     placement = _place(settings)
+    clock.mark("placed")
     actors: list[Any] = []
     try:
         aggregator = _start_aggregator(settings, placement, metrics)
@@ -164,7 +169,9 @@ def _deploy(
         actors += nodes
         ranks = _start_ranks(settings, placement, engine_factory)
         actors += ranks
+        clock.mark("actors submitted")
         ray.get([a.ping.remote() for a in actors], timeout=settings.placement_timeout_s + 60.0)
+        clock.mark("actors started")
     except (RayActorError, GetTimeoutError) as e:
         for a in actors:
             ray.kill(a, no_restart=True)
@@ -178,7 +185,22 @@ def _deploy(
         except KVFoldError:
             kv.shutdown()
             raise
+        clock.mark("ranks fresh")
+    kv.launch_phases = clock.phases
     return kv
+
+
+class PhaseClock:
+    """Seconds between marks, by the name of the phase each mark ends."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases[phase] = now - self._last
+        self._last = now
 
 
 @dataclass(frozen=True)
@@ -288,6 +310,8 @@ def _start_ranks(
     settings: LaunchSettings, placement: Placement, engine_factory: EngineFactory | None
 ) -> list[Any]:
     ranks: list[Any] = []
+    # one actor class for all ranks: Ray exports a class once per ray.remote() call
+    engine_rank, rank_worker = ray.remote(EngineRankActor), ray.remote(RankWorker)
     for rank, bundle in enumerate(placement.rank_bundle):
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=placement.group, placement_group_bundle_index=bundle
@@ -302,15 +326,13 @@ def _start_ranks(
         )
         if settings.engines:  # beside the engine: its sockets are bound on loopback
             ranks.append(
-                ray.remote(EngineRankActor)
-                .options(**options)
-                .remote(rank, placement.rank_to_node, settings.engines[rank], **_common(settings))
+                engine_rank.options(**options).remote(
+                    rank, placement.rank_to_node, settings.engines[rank], **_common(settings)
+                )
             )
             continue
         ranks.append(
-            ray.remote(RankWorker)
-            .options(**options)
-            .remote(
+            rank_worker.options(**options).remote(
                 rank,
                 placement.rank_to_node,
                 settings.cache,

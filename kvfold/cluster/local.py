@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -35,6 +36,9 @@ FAST_HEALTH_CHECKS = {
     "health_check_failure_threshold": 4,
     "object_timeout_milliseconds": 200,
 }
+# Ray starts num_cpus idle workers per node ahead of use; kvfold's actors are few and
+# num_cpus=0, and on two cores those idle starts only delay the ones launch waits for
+NO_PRESTART = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 
 
 class LocalCluster:
@@ -81,17 +85,21 @@ class LocalCluster:
                 "node_ip_address": "127.0.0.1",
             }
 
+        started = time.monotonic()
         head = {**node_args(0), "include_dashboard": False}
-        if fast_health_checks:
-            head["_system_config"] = dict(FAST_HEALTH_CHECKS)
+        head["_system_config"] = {
+            **NO_PRESTART,
+            **(FAST_HEALTH_CHECKS if fast_health_checks else {}),
+        }
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
         self.nodes: list[Any] = [self.cluster.head_node]
-        for i in range(1, num_nodes):
-            self.nodes.append(self.cluster.add_node(**node_args(i)))
+        for i in range(1, num_nodes):  # waited for together below
+            self.nodes.append(self.cluster.add_node(wait=False, **node_args(i)))
         self.cluster.wait_for_nodes()
         self.token_path = save_token(self.address)
         if connect:
             ray.init(address=self.cluster.address, namespace=self.namespace, log_to_driver=False)
+        self.started_in_s = time.monotonic() - started  # nodes up (and this driver connected)
 
     @property
     def address(self) -> str:

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvfold.blockindex.journal import EventJournal
 from kvfold.checks import check_int
+from kvfold.devices import cuda_available
 from kvfold.errors import IntegrityError
 from kvfold.hosttier.packing import unpack_blocks
 from kvfold.stats import HostStats, Window
@@ -38,21 +39,6 @@ class _Entry:
     onboarded: bool = False
 
 
-def _cuda_available() -> bool:
-    """True only when torch is importable and sees CUDA (without importing it otherwise)."""
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import os
-
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
 class HostKVPool:
     def __init__(self, num_blocks: int, slot_nbytes: int, pin_memory: bool | None = None) -> None:
         check_int("num_blocks", num_blocks, 0)
@@ -61,7 +47,7 @@ class HostKVPool:
             raise ValueError(f"slot_nbytes must be >= 1 for a host tier, got {slot_nbytes}")
         self.num_blocks = num_blocks
         self.slot_nbytes = slot_nbytes
-        pin = _cuda_available() if pin_memory is None else pin_memory
+        pin = num_blocks > 0 and (cuda_available() if pin_memory is None else pin_memory)
         self.pinned = bool(pin and num_blocks)
         shape = (num_blocks, slot_nbytes if num_blocks else 0)
         self.storage: np.ndarray

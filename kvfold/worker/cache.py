@@ -37,14 +37,20 @@ from kvfold.worker.placement import (
     plan_prompt,
 )
 from kvfold.worker.sequence import SeqId, SeqState, check_seq_id
-from kvfold.worker.storage import KVStorage
+from kvfold.worker.storage_holder import StorageHolder
 from kvfold.worker.windows import WindowManager, window_manager
 
 
 class PagedKVCache(CacheReads):
     """Owns the block pools, the sequences' block tables and the K/V storage of one rank."""
 
-    def __init__(self, config: KVCacheConfig, host_tier: HostTier | None = None) -> None:
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        host_tier: HostTier | None = None,
+        *,
+        storage_later: bool = False,
+    ) -> None:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         self.config = config
@@ -55,7 +61,8 @@ class PagedKVCache(CacheReads):
         self.managers: dict[Window, WindowManager] = {
             w: window_manager(w, self.block_size) for w in self.windows
         }
-        self.storage = KVStorage(config)
+        # the K/V bytes: now, or (storage_later) at their first use
+        self.storage_holder = StorageHolder(config, build_now=not storage_later)
         self.seqs: dict[SeqId, SeqState] = {}
         self.status_counts = dict.fromkeys(SequenceStatus, 0)
         self.ledger = DeltaLedger(self.pools)
@@ -74,7 +81,7 @@ class PagedKVCache(CacheReads):
     def set_host_tier(self, host_tier: HostTier | None) -> None:
         """Attach (or detach with None) the node's host tier: evictions offload to it,
         prompt misses onboard from it (kvfold.worker.host_path)."""
-        self.host = None if host_tier is None else HostLink(host_tier, self.storage)
+        self.host = None if host_tier is None else HostLink(host_tier, self.storage_holder.get)
         for w, pool in self.pools.items():
             pool.evict_listener = None if self.host is None else self.host.copier(w)
 
@@ -149,7 +156,7 @@ class PagedKVCache(CacheReads):
             seq.keys = keys
             seq.tail = tokens[len(keys) * B :].tolist()
         for plan in plans:
-            apply_prompt(seq, plan, self.ledger.pending[plan.window], self.storage)
+            apply_prompt(seq, plan, self.ledger.pending[plan.window], self.storage_holder.get)
         seq.prompt_reused_tokens = min(p.covered(len(p.hits)) for p in plans)
         seq.prompt_covered_tokens = min(p.covered(len(p.hits) + len(p.payloads)) for p in plans)
         L = seq.num_tokens

@@ -10,9 +10,7 @@ attributes below are PagedKVCache's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvfold.stats import BlockGauges, IterationStats, KVStats, SequenceStatus, Window
 from kvfold.worker.block_pool import BlockPool
@@ -21,9 +19,14 @@ from kvfold.worker.deltas import DeltaLedger
 from kvfold.worker.hashing import as_token_array
 from kvfold.worker.integrity import check_cache_integrity
 from kvfold.worker.sequence import SeqId, SeqState, check_seq_id
-from kvfold.worker.storage import KVStorage
+from kvfold.worker.storage_holder import StorageHolder
 from kvfold.worker.trtllm import trtllm_stats
 from kvfold.worker.windows import WindowManager
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvfold.worker.storage import KVStorage
 
 
 class CacheReads:
@@ -34,12 +37,17 @@ class CacheReads:
     windows: tuple[Window, ...]
     pools: dict[Window, BlockPool]
     managers: dict[Window, WindowManager]
-    storage: KVStorage
+    storage_holder: StorageHolder
     seqs: dict[SeqId, SeqState]
     status_counts: dict[SequenceStatus, int]
     ledger: DeltaLedger
     released_refs: dict[Window, int]
     commit_sums: dict[Window, int]  # per window: the sequences' commitments summed
+
+    @property
+    def storage(self) -> KVStorage:
+        """The K/V bytes (waits for them while a rank still builds them)."""
+        return self.storage_holder.get()
 
     def committed(self, window: Window) -> int:
         """Blocks of `window` its sequences hold plus those they may still need to reach

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvfold.stats import Window
-from kvfold.worker.storage import KVStorage
+
+if TYPE_CHECKING:
+    from kvfold.worker.storage import KVStorage
 
 log = logging.getLogger("kvfold.host")
 
@@ -46,9 +48,9 @@ class HostTier(Protocol):
 class HostLink:
     """Owns the traffic between one cache and its host tier, and counts what failed."""
 
-    def __init__(self, tier: HostTier, storage: KVStorage) -> None:
+    def __init__(self, tier: HostTier, storage: Callable[[], KVStorage]) -> None:
         self.tier = tier
-        self.storage = storage
+        self.storage = storage  # the cache's bytes, once built (kvfold.worker.storage_holder)
         self.fetch_failures = 0  # fetches that raised or returned something unusable
         self.offload_failures = 0  # blocks whose offload raised (not stored)
         self._outbox: list[OffloadItem] = []
@@ -64,7 +66,7 @@ class HostLink:
             self.fetch_failures += 1
             log.warning("host tier fetch failed, computing instead: %s: %s", type(e).__name__, e)
             return []
-        nbytes = self.storage.block_nbytes(window)
+        nbytes = self.storage().block_nbytes(window)
         out: list[np.ndarray] = []
         for p in payloads[: len(keys)]:
             if not isinstance(p, np.ndarray) or p.dtype != np.uint8 or p.shape != (nbytes,):
@@ -79,11 +81,11 @@ class HostLink:
 
     def copier(self, window: Window) -> Callable[[int, bytes], None]:
         """The pool's evict listener: copy the block's bytes out now, send them at `flush`."""
-        read_block = self.storage.read_block
+        storage = self.storage
         outbox = self._outbox
 
         def copy_out(block: int, key: bytes) -> None:
-            outbox.append((window, key, read_block(window, block)))
+            outbox.append((window, key, storage().read_block(window, block)))
 
         return copy_out
 

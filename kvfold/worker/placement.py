@@ -14,7 +14,9 @@ cache loops over its windows and owns the sequences and the commitments.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,8 +24,10 @@ from kvfold.stats import Window
 from kvfold.worker.block_pool import BlockPool
 from kvfold.worker.deltas import Counts
 from kvfold.worker.sequence import SeqState
-from kvfold.worker.storage import KVStorage
 from kvfold.worker.windows import Growth, WindowManager
+
+if TYPE_CHECKING:
+    from kvfold.worker.storage import KVStorage
 
 
 @dataclass(slots=True)
@@ -100,14 +104,16 @@ def plan_prompt(
     return PromptPlan(window, pool, first, limit, hits, num_new, block_size)
 
 
-def apply_prompt(seq: SeqState, plan: PromptPlan, counts: Counts, storage: KVStorage) -> None:
-    """Attach the hits, take the rest, copy in what the host tier had, key the new
-    blocks. Cannot fail: room was checked by `plan_prompt`."""
+def apply_prompt(
+    seq: SeqState, plan: PromptPlan, counts: Counts, storage: Callable[[], KVStorage]
+) -> None:
+    """Attach the hits, take the rest, copy in what the host tier had (into `storage()`,
+    asked only then), key the new blocks. Cannot fail: room was checked by `plan_prompt`."""
     w, pool = plan.window, plan.pool
     pool.attach_all(plan.hits)
     new = take_counted(pool, plan.num_new, counts)
     for block, payload in zip(new, plan.payloads, strict=False):
-        storage.write_block(w, block, payload)
+        storage().write_block(w, block, payload)
     start = plan.first + len(plan.hits)
     pool.set_keys(new, seq.keys[start:], parent(seq.keys, start))
     seq.tables[w] = plan.hits + new

@@ -37,6 +37,7 @@ from kvfold.worker.engine import Engine, EngineFactory
 from kvfold.worker.rank_calls_actor import RankCalls
 from kvfold.worker.remote_host_actor import HOST_TIMEOUT_S, RemoteHostTier
 from kvfold.worker.report_actor import MAX_INFLIGHT_REPORTS, RankReporter
+from kvfold.worker.storage_holder import storage_on_cpu
 from kvfold.worker.tickets import TicketBook, TicketLike, as_ticket
 
 __all__ = [
@@ -86,13 +87,18 @@ class RankWorker(RankCalls):
         self.events = EventPublisher(RANK, rank, self.incarnation, namespace)
         self.loop = BackgroundLoop(f"kvfold rank {rank} reporter", report_interval_s, self._tick)
         if config is not None:
-            self.bind(config)
+            self._bind(config)
         self.loop.start()
 
     # ------------------------------------------------------------ lifecycle
 
     def bind(self, config: KVCacheConfig) -> dict[str, Any]:
         """Bind (or rebind, empty) the rank's KV cache, and its engine over it."""
+        self._bind(config)
+        return self.info()
+
+    def _bind(self, config: KVCacheConfig) -> None:
+        """CPU storage is built at its first use, GPU storage now (storage_holder)."""
         with self.lock:
             if self.host is not None and self.cache is not None:
                 self.host.settle(self.cache)  # answers for the old cache count there
@@ -100,13 +106,14 @@ class RankWorker(RankCalls):
             old = self.cache
             if old is not None:
                 self._refused_before += old.num_refused
-            self.cache = PagedKVCache(config, host_tier=self.host)
+            self.cache = PagedKVCache(
+                config, host_tier=self.host, storage_later=storage_on_cpu(config)
+            )
             # a new cache starts its event stream empty: the index forgets whatever this
             # rank held before (an older cache, or an earlier incarnation)
             self.cache.events.cleared()
             self.engine = None if self.engine_factory is None else self.engine_factory(self.cache)
             self.layout = config.block_layout()
-        return self.info()
 
     def info(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
@@ -116,7 +123,7 @@ class RankWorker(RankCalls):
             "ray_node_id": ctx.get_node_id(),
             "incarnation": self.incarnation,
             "seq": self.reports.seq,
-            "device": str(self.cache.storage.device) if self.cache else None,
+            "device": str(self.cache.storage.device) if self.cache else None,  # waits for it
             "bound": self.cache is not None,
             "reports_sent": self.reports.sent,
             "report_verdicts": dict(self.reports.verdicts),

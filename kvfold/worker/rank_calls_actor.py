@@ -15,7 +15,6 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvfold.ray_actor import BackgroundLoop
 from kvfold.stats import IterationStats, KVStats, SequenceStatus, Window
@@ -122,6 +121,8 @@ class RankCalls:
     def write_kv(
         self, seq_id: SeqId, layer: int, positions: list[int], k: np.ndarray, v: np.ndarray
     ) -> None:
+        import torch  # loaded already by the cache's storage
+
         with self.lock:
             self._cache().write_kv(
                 seq_id, layer, positions, torch.from_numpy(k), torch.from_numpy(v)

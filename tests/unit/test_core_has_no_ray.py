@@ -54,7 +54,8 @@ def test_core_modules_do_not_import_ray() -> None:
 # aside) stands on the foundation alone; no two modules import each other.
 FLOORS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (0, ("kvfold.checks", "kvfold.errors", "kvfold.stats", "kvfold.topology", "kvfold.naming",
-         "kvfold.ray_env", "kvfold.blockindex.events", "kvfold.blockindex.journal")),
+         "kvfold.ray_env", "kvfold.devices", "kvfold.blockindex.events",
+         "kvfold.blockindex.journal")),
     (1, ("kvfold.worker",)),
     (2, ("kvfold.hosttier", "kvfold.view", "kvfold.codec", "kvfold.aggregator.fold",
          "kvfold.aggregator.freshness", "kvfold.aggregator.receiver",

@@ -1,0 +1,57 @@
+"""What a starting process loads: the aggregator, node actors and CPU ranks start
+without torch (1.5 s of CPU each here); a CPU rank's K/V bytes come at their first use
+and are the same bytes as an eagerly built cache's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvfold.devices import nvidia_present
+from kvfold.worker import PagedKVCache
+from tests.unit.builders import make_config, toks
+
+LIGHT = (
+    "kvfold.aggregator.cluster_actor",
+    "kvfold.aggregator.node_actor",
+    "kvfold.worker.rank_actor",
+    "kvfold.cluster.launcher",
+    "kvfold.aggregator.client",
+)
+
+
+@pytest.mark.skipif(nvidia_present(), reason="with an NVIDIA device torch is wanted")
+def test_the_actors_modules_and_a_cpu_ranks_start_load_no_torch() -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for m in {LIGHT!r}:\n"
+        "    importlib.import_module(m)\n"
+        "from kvfold.hosttier import HostTierServer\n"
+        "from kvfold.worker import PagedKVCache, KVCacheConfig\n"
+        "from kvfold.worker.storage_holder import storage_on_cpu\n"
+        "config = KVCacheConfig(num_blocks=8)\n"
+        "HostTierServer(4, config.block_layout())\n"
+        "cache = PagedKVCache(config, storage_later=storage_on_cpu(config))\n"
+        "assert cache.add_sequence('a', list(range(40)))\n"
+        "print('torch' in sys.modules, cache.storage_holder.built)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.split() == ["False", "False"], res.stdout + res.stderr
+
+
+def test_storage_built_at_first_use_holds_the_same_bytes() -> None:
+    eager = PagedKVCache(make_config(8))
+    later = PagedKVCache(make_config(8), storage_later=True)
+    assert eager.storage_holder.built and not later.storage_holder.built
+    k = torch.randn(10, 2, 8, generator=torch.Generator().manual_seed(1))
+    for cache in (eager, later):
+        assert cache.add_sequence("a", toks(0, 10))
+        assert cache is eager or not later.storage_holder.built  # accounting alone
+        cache.write_kv("a", 0, list(range(10)), k, -k)
+    assert later.storage_holder.built
+    assert later.storage is later.storage  # built once
+    for got, want in zip(later.gather_kv("a", 0), eager.gather_kv("a", 0), strict=True):
+        assert torch.equal(got, want)
