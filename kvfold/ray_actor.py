@@ -29,7 +29,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from kvfold.blockindex.events import RANK, Envelope, Event, EventBatch, encode_envelope
 from kvfold.blockindex.feed import Snapshot
-from kvfold.naming import AGGREGATOR_NAME
+from kvfold.naming import AGGREGATOR_NAME, node_actor_name
 from kvfold.stats import Window
 
 log = logging.getLogger("kvfold")
@@ -193,11 +193,26 @@ Keys = dict[int, list[bytes]]
 
 
 class EventPublisher:
-    """Numbers, encodes and sends one source's batches; `drain()` gives each batch's events."""
+    """Numbers, encodes and sends one source's batches; `drain()` gives each batch's events.
 
-    def __init__(self, kind: str, source: int, incarnation: int, namespace: str) -> None:
+    Where they go: a rank's to its node actor (`via_node`: `rank_events`), which sends
+    them on with its own report in one call per interval (docs/scale.md); a node's
+    host tier's into its node's outbox (`sink`); else straight to the aggregator."""
+
+    def __init__(
+        self,
+        kind: str,
+        source: int,
+        incarnation: int,
+        namespace: str,
+        *,
+        via_node: int | None = None,
+        sink: Callable[[bytes], object] | None = None,
+    ) -> None:
         self.kind, self.source, self.incarnation = kind, source, incarnation
         self.namespace = namespace
+        self.sink = sink
+        self.via_node = via_node
         self.seq = 0
         self.failed = 0  # batches that did not arrive, or whose answer never came
         self.lock = threading.Lock()  # drain and send together: batches leave in order
@@ -218,12 +233,17 @@ class EventPublisher:
     def _send(self, data: bytes | None) -> None:
         if data is None:
             return
-        agg = self._agg or named_actor(AGGREGATOR_NAME, self.namespace)
-        if agg is None:
+        if self.sink is not None:
+            self.sink(data)
+            return
+        name = AGGREGATOR_NAME if self.via_node is None else node_actor_name(self.via_node)
+        target = self._agg or named_actor(name, self.namespace)
+        if target is None:
             self.failed += 1
             return
-        self._agg = agg
-        self._inflight.add(agg.block_events.remote(data), None)
+        self._agg = target
+        method = target.block_events if self.via_node is None else target.rank_events
+        self._inflight.add(method.remote(data), None)
 
     def publish(self, drain: Callable[[], list[Event]], wait_s: float) -> None:
         """Send what `drain()` returns as the next batch (nothing when it is empty)."""

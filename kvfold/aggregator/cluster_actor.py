@@ -43,6 +43,7 @@ from kvfold.view import ClusterView, SourceState
 VERIFY_TIMEOUT_S = 2.0  # how long a node actor may take to confirm its incarnation
 SNAPSHOT_TIMEOUT_S = 5.0  # how long a source may take to hand over its keys
 CARRY_KEY = b"kvfold:carried-counters"  # in Ray's internal KV, per kvfold namespace
+MAX_BATCHES_PER_PUSH = 4096  # a node's ranks' batches in one push; the rest are refused
 
 
 class ClusterAggregator:
@@ -58,8 +59,13 @@ class ClusterAggregator:
         metrics_host: str = "127.0.0.1",
         metrics_port: int | None = None,
         ray_node_ids: list[str] | None = None,
+        verify_sources: bool = True,
     ) -> None:
         self.topology = Topology.from_mapping(rank_to_node)
+        # False only for the load harness (benchmarks/bench_scale.py), whose nodes and
+        # ranks are not actors: new incarnations are then taken unasked, and silent
+        # sources are left to the clock
+        self.verify_sources = verify_sources
         self.namespace = namespace
         self.report_interval_s = report_interval_s
         self.state = ClusterState(
@@ -149,14 +155,30 @@ class ClusterAggregator:
     def node_report(self, data: bytes) -> str:
         """A node's report: "accepted", or the reason it was refused (counted).
         One thread takes reports, in the order each node sent them."""
+        return self._node_report(data)
+
+    def _node_report(self, data: bytes) -> str:
         verdict = self.state.receive(data, time.monotonic, self._verify_node, self.cond)
         if verdict == ACCEPTED:
             with self.cond:
                 self._refresh()
         return verdict
 
+    @ray.method(concurrency_group="reports")
+    def node_push(self, report: bytes, envelopes: list[bytes]) -> tuple[str, list[str]]:
+        """A node's report and the block-event batches of its ranks and host tier since
+        its last push, in one call (the node actor coalesces them): the report's verdict
+        and each batch's. A lost push is a gap in each source's batches, and resyncs."""
+        verdict = self._node_report(report)
+        answers = [self._ingest(data) for data in envelopes[:MAX_BATCHES_PER_PUSH]]
+        answers += ["refused"] * len(envelopes[MAX_BATCHES_PER_PUSH:])
+        self.events_refused += len(envelopes[MAX_BATCHES_PER_PUSH:])
+        return verdict, answers
+
     def _verify_node(self, node: int, incarnation: int) -> bool:
         """Ask the named node actor itself whether it is in that incarnation."""
+        if not self.verify_sources:
+            return True
         return (
             incarnation_of(node_actor_name(node), self.namespace, VERIFY_TIMEOUT_S) == incarnation
         )
@@ -232,6 +254,9 @@ class ClusterAggregator:
     def block_events(self, data: bytes) -> str:
         """One source's batch of block events (kvfold.blockindex.events): what became of
         it ("applied", "kept", "duplicate", ...), or "refused" (counted)."""
+        return self._ingest(data)
+
+    def _ingest(self, data: bytes) -> str:
         try:
             env = decode_envelope(data)
             with self.blocks_lock:
@@ -315,6 +340,11 @@ class ClusterAggregator:
             if actor is not None:
                 self._asked[(kind, i)] = (actor.block_snapshot.remote(), now)
 
+    def cpu_seconds(self) -> float:
+        """CPU time this process has used, user and system (for the load harness)."""
+        t = psutil.Process().cpu_times()
+        return float(t.user + t.system)
+
     def memory_rss_bytes(self) -> int:
         """Resident memory of this process (for soak tests and operators)."""
         return int(psutil.Process().memory_info().rss)
@@ -331,7 +361,7 @@ class ClusterAggregator:
     def _tick(self) -> None:
         with self.cond:
             view = self._refresh()
-        if self._probe.due(time.monotonic()):
+        if self.verify_sources and self._probe.due(time.monotonic()):
             self._mark_gone_nodes(view)
 
     def _carry_counters(self) -> None:

@@ -3,7 +3,9 @@ HostTierServer (kvfold.hosttier).
 
 Takes rank reports (msgpack bytes), keeps per-rank freshness, folds the node, serves
 the node's host KV tier, and pushes the node's report to the cluster aggregator every
-`report_interval_s` and soon after a rank report arrives. Pushes go out from one
+`report_interval_s` and soon after a rank report arrives. Its ranks' block-event
+batches (and its host tier's) wait in an outbox and go with the report: one call per
+node and interval, however many ranks (docs/scale.md). Pushes go out from one
 background loop, so answering ranks never waits on the aggregator.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Collection
 from typing import Any
 
@@ -44,6 +47,8 @@ from kvfold.worker.config import BlockLayout
 VERIFY_TIMEOUT_S = 2.0
 MAX_INFLIGHT = 64
 MIN_PUSH_GAP_S = 0.005  # coalesce bursts of rank reports into one node report
+MAX_OUTBOX_BATCHES = 2048  # event batches waiting for the next push; past it the oldest
+# are dropped (counted): their sources see a gap and resynchronise from a snapshot
 
 
 class HostKVActor:
@@ -73,7 +78,13 @@ class HostKVActor:
         self.pushes_acked = 0
         self._inflight: InFlight[None] = InFlight(MAX_INFLIGHT)
         self._probe = Every(5 * report_interval_s)
-        self.events = EventPublisher(HOST, node, self.incarnation, namespace)  # host tier's
+        self.outbox: deque[bytes] = deque()  # block-event batches for the next push
+        self.outbox_lock = threading.Lock()
+        self.batches_dropped = 0
+        self.push_lock = threading.Lock()  # one push at a time (the loop, publish_events)
+        self.events = EventPublisher(  # the host tier's, into the outbox
+            HOST, node, self.incarnation, namespace, sink=self._queue
+        )
         self.loop = BackgroundLoop(
             f"kvfold node {node} pusher", report_interval_s, self._push, MIN_PUSH_GAP_S
         ).start()
@@ -119,6 +130,25 @@ class HostKVActor:
 
     # ------------------------------------------------------------ block events
 
+    def rank_events(self, data: bytes) -> str:
+        """One of its ranks' block-event batches, sent on with the next push."""
+        return "queued" if self._queue(data) else "dropped"
+
+    def _queue(self, data: bytes) -> bool:
+        with self.outbox_lock:
+            self.outbox.append(data)
+            if len(self.outbox) <= MAX_OUTBOX_BATCHES:
+                return True
+            self.outbox.popleft()
+            self.batches_dropped += 1
+            return False
+
+    def _take_outbox(self) -> list[bytes]:
+        with self.outbox_lock:
+            batches = list(self.outbox)
+            self.outbox.clear()
+            return batches
+
     def _host_events(self) -> list[Event]:  # holds self.lock
         journal = self.host.pool.journal
         return [] if journal is None else journal.drain()
@@ -128,8 +158,8 @@ class HostKVActor:
             return self._host_events()
 
     def publish_events(self) -> None:
-        """Send the host tier's block events now, waiting for the answer (tests, drivers)."""
-        self.events.publish(self._drain_host_events, VERIFY_TIMEOUT_S)
+        """Push now, every batch waiting included, and wait for the answer (tests, drivers)."""
+        self._push(wait_s=VERIFY_TIMEOUT_S)
 
     def host_keys(self) -> dict[int, list[bytes]]:
         """Every key the host tier holds, per window group (for checks)."""
@@ -166,32 +196,41 @@ class HostKVActor:
                 "pushes": self.seq,
                 "pushes_acked": self.pushes_acked,
                 "pushes_failed": self.pushes_failed + self.loop.failures,
+                "event_batches_dropped": self.batches_dropped,
                 "host_refused_layout": self.host.refused_layout,
                 "ray_node_id": ray.get_runtime_context().get_node_id(),
             }
 
     # ------------------------------------------------------------ to the aggregator
 
-    def _push(self) -> None:
+    def _push(self, wait_s: float | None = None) -> None:
+        with self.push_lock:
+            util = self._push_now(3 * self.report_interval_s if wait_s is None else wait_s)
         now = time.monotonic()
+        if self._probe.due(now):
+            self._mark_gone_ranks(util)
+
+    def _push_now(self, wait_s: float) -> NodeUtilization:
+        """The report and the outbox in one call. Batches of a push that fails are lost:
+        each of their sources then sees a gap and resynchronises (kvfold.blockindex.feed)."""
         with self.lock:
-            util = self.state.fold(now, self.host.stats())
+            util = self.state.fold(time.monotonic(), self.host.stats())
             self.seq += 1
             data = encode_node_report(
                 util, self.incarnation, self.seq, refused=dict(self.state.refused)
             )
+        self.events.publish(self._drain_host_events, 0.0)  # into the outbox
+        batches = self._take_outbox()
         agg = named_actor(AGGREGATOR_NAME, self.namespace)
         if agg is None:
             self.pushes_failed += 1
-            return
+            return util
         # wait a little for the answer, never long: a slow or restarting aggregator must
         # not hold back the next push (answers that come later are counted then)
-        self._inflight.add(agg.node_report.remote(data), None)
-        self.events.publish(self._drain_host_events, 0.0)
-        self._inflight.wait(3 * self.report_interval_s, last_only=True)
+        self._inflight.add(agg.node_push.remote(data, batches), None)
+        self._inflight.wait(wait_s, last_only=True)
         self._settle()
-        if self._probe.due(now):
-            self._mark_gone_ranks(util)
+        return util
 
     def _settle(self) -> None:
         self._inflight.settle(self._acked, self._failed)

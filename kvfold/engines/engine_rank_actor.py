@@ -65,7 +65,7 @@ class EngineRankActor:
         self.lock = self.intake.lock  # the source, the pending events, the incarnation
         self.source = self.intake.source
         self.incarnation = secrets.randbits(62) | 1
-        self.events = EventPublisher(RANK, rank, self.incarnation, namespace)
+        self.events = EventPublisher(RANK, rank, self.incarnation, namespace, via_node=self.node)
         self.numbers: EngineNumbers | None = None
         self._unsent: BlockDeltas | None = None  # counted since the last report sent
         self.metrics_error: str | None = None
@@ -107,7 +107,9 @@ class EngineRankActor:
         """Called under the lock: what the old engine held is gone with it."""
         self.incarnation = secrets.randbits(62) | 1
         self.seq = 0
-        self.events = EventPublisher(RANK, self.rank, self.incarnation, self.namespace)
+        self.events = EventPublisher(
+            RANK, self.rank, self.incarnation, self.namespace, via_node=self.node
+        )
 
     def _scrape(self) -> None:
         try:

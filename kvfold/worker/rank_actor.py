@@ -84,7 +84,7 @@ class RankWorker(RankCalls):
         self.tickets = TicketBook()  # per controller, the highest ticket taken in
         self._refused_before = 0  # refusals counted by caches this rank has rebound
         self.reports = RankReporter(self.lock, self.node_handle, self._make_report)
-        self.events = EventPublisher(RANK, rank, self.incarnation, namespace)
+        self.events = EventPublisher(RANK, rank, self.incarnation, namespace, via_node=self.node)
         self.loop = BackgroundLoop(f"kvfold rank {rank} reporter", report_interval_s, self._tick)
         if config is not None:
             self._bind(config)

@@ -474,8 +474,8 @@ def test_a_node_vanishes(kv, cluster) -> None:  # type: ignore[no-untyped-def]
     for r in gone:
         assert kv.rank(r).add_sequence("held", held_prompt)
         kv.rank(r).free_sequence("held", report=True)
-    wait_until(lambda: all(kv.client.indexed_keys("rank", r) for r in gone), timeout_s=30)
-    assert set(kv.client.index().match(held_prompt).gpu) >= gone
+    # the held blocks in the index (the ranks may hold older keys already)
+    wait_until(lambda: set(kv.client.index().match(held_prompt).gpu) >= gone, timeout_s=30)
     t0 = time.monotonic()
     cluster.remove_node(index)
 

@@ -7,6 +7,8 @@ are resynchronised from snapshots) and a rank restarts (its old keys leave)."""
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 import random
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 import ray
 from ray.exceptions import RayError
 
+from kvfold.aggregator.client import KVFoldClient
 from kvfold.blockindex.events import HOST, RANK
 from kvfold.errors import AggregatorUnavailable, NodeUnavailable, RankUnavailable
 from kvfold.naming import AGGREGATOR_NAME
@@ -138,3 +141,70 @@ def test_a_restarted_ranks_old_keys_leave_the_index(kv: Any) -> None:
     assert _indexed(kv, (RANK, 1)), "rank 1 was meant to hold keys"
     ray.kill(kv.rank_handles[1], no_restart=False)  # comes back empty, a new incarnation
     wait_until(lambda: _index_equals_truth(kv) and not _indexed(kv, (RANK, 1)), timeout_s=90)
+
+
+def _sources(kv: Any) -> list[tuple[str, int]]:
+    return [(RANK, r) for r in range(kv.topology.world_size)] + [
+        (HOST, n) for n in range(kv.topology.num_nodes)
+    ]
+
+
+def _follower_equals_a_full_fetch(kv: Any, follower: KVFoldClient, replica: Any) -> bool:
+    """The follower's view (kept from deltas) is the aggregator's whole view, and its
+    index replica (kept from ops) holds what a replica rebuilt from a snapshot holds."""
+    try:
+        _settle(kv)
+        replica.refresh()
+        fresh = KVFoldClient(namespace=kv.namespace).index()  # from empty: a whole snapshot
+        if any(replica.keys(*s) != fresh.keys(*s) for s in _sources(kv)):
+            return False
+        agg = ray.get_actor(AGGREGATOR_NAME, namespace=kv.namespace)
+        whole = pickle.loads(ray.get(agg.view.remote(), timeout=10))
+        return bool(follower.view() == whole)  # equal only at the same version: asked again
+    except (RayError, AggregatorUnavailable, RankUnavailable, NodeUnavailable):
+        return False  # an actor restarting: ask again
+
+
+def test_followers_end_equal_to_a_full_fetch_through_restarts(kv: Any) -> None:
+    """Random work and restarts of the aggregator, node actors (whose outboxes carry
+    their ranks' event batches: lost ones resynchronise) and ranks, in a random order;
+    a reader following deltas and ops all along ends where a full fetch is, each time."""
+    rng = random.Random(19)
+    follower = KVFoldClient(namespace=kv.namespace)
+    replica = follower.index()
+    restarts = ["aggregator", "node0", "node1", "rank0", "rank2"]
+    rng.shuffle(restarts)
+    for step, what in enumerate(restarts):
+        _drive(kv, rng, 30, f"f{step}")
+        with contextlib.suppress(RayError, AggregatorUnavailable):
+            follower.view()
+            replica.refresh()  # the follower moves along while things change
+        if what == "aggregator":
+            ray.kill(ray.get_actor(AGGREGATOR_NAME, namespace=kv.namespace), no_restart=False)
+        elif what.startswith("node"):
+            ray.kill(kv.node_handles[int(what[4:])], no_restart=False)
+        else:
+            ray.kill(kv.rank_handles[int(what[4:])], no_restart=False)
+        _drive_when_up(kv, rng, f"g{step}")
+        wait_until(lambda: _index_equals_truth(kv), timeout_s=90, interval_s=0.2)
+        wait_until(
+            lambda: _follower_equals_a_full_fetch(kv, follower, replica),
+            timeout_s=60,
+            interval_s=0.1,
+        )
+    counts = kv.client.block_index_counts()
+    assert counts["out_of_sync"] == [] and counts["snapshots"] >= 1
+
+
+def _drive_when_up(kv: Any, rng: random.Random, tag: str) -> None:
+    """Some work, once the restarted actor takes it (a kill lands a moment later)."""
+    tries = iter(range(1_000))
+
+    def drove() -> bool:
+        try:
+            _drive(kv, rng, 20, f"{tag}-{next(tries)}")
+            return True
+        except RayError:
+            return False
+
+    wait_until(drove, timeout_s=90, interval_s=0.2)
