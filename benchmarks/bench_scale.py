@@ -1,0 +1,347 @@
+"""Fleet scale: N nodes x 8 ranks at a 100 ms interval, with their block events, on one
+cluster view, without N x 8 actors (kvfold.workload.fleet_load stands in for them).
+
+Against the real ClusterAggregator actor, two ways of sending, measured in the same run:
+
+  direct     today's rank path: per node and interval, one node report and one call
+             per rank's batch of block events (every rank publishing to the aggregator)
+  coalesced  one call per node and interval, carrying the report and its ranks'
+             batches (ClusterAggregator.node_push, as node actors send them)
+
+Load driver actors generate and send; a reader actor runs an AdmissionController with
+precise routing that refreshes every 50 ms and decides continuously. Printed per N and
+way: the aggregator's CPU (fraction of a core), push answers (p50/p99 ms) and pushes
+late or refused, view age at the reader (now minus the newest report folded into the
+view it decided on), index lag (a probe block's send to its visibility in the reader's
+replica), sources out of sync at the end (events lost and not yet resynchronised), the
+reader's refresh time and bytes, and decisions per second.
+
+    python benchmarks/bench_scale.py [--nodes 16,32,64,128] [--seconds 8] [--events 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _report import info, percentile, report
+
+from kvfold.cluster import start_local_cluster  # imports no Ray: see main()
+
+INTERVAL_S = 0.1
+RANKS_PER_NODE = 8
+PROFILE = bool(os.environ.get("KVFOLD_PROFILE_READER"))
+
+
+class LoadDriver:
+    """Sends what nodes [lo, hi) of the fleet send, every interval, one way or the other."""
+
+    def __init__(
+        self, lo: int, hi: int, num_nodes: int, events_per_rank_s: float, aggregator: Any,
+        epoch: float,
+    ) -> None:  # fmt: skip
+        from kvfold.workload.fleet_load import FleetSlice, LoadShape
+
+        shape = LoadShape(ranks_per_node=RANKS_PER_NODE, events_per_rank_s=events_per_rank_s)
+        self.slice = FleetSlice(range(lo, hi), num_nodes, shape, seed=lo, epoch_unix_s=epoch)
+        self.agg = aggregator
+
+    def run(self, mode: str, seconds: float) -> dict[str, Any]:
+        import ray
+
+        pending: dict[Any, float] = {}
+        answer_s: list[float] = []
+        late = refused = ticks = calls = batches = 0
+        verdicts: dict[str, int] = {}
+        start = time.monotonic()
+        due = start
+        while time.monotonic() - start < seconds:
+            due += INTERVAL_S
+            for _node, report_bytes, envelopes in self.slice.tick(INTERVAL_S, time.time()):
+                sent = time.monotonic()
+                batches += len(envelopes)
+                if mode == "coalesced":
+                    pending[self.agg.node_push.remote(report_bytes, envelopes)] = sent
+                    calls += 1
+                else:
+                    pending[self.agg.node_report.remote(report_bytes)] = sent
+                    for env in envelopes:
+                        pending[self.agg.block_events.remote(env)] = sent
+                    calls += 1 + len(envelopes)
+            ticks += 1
+            if time.monotonic() > due:
+                late += 1  # this driver could not send an interval's load within it
+                due = time.monotonic()
+            while pending:  # answers as they come, until the next interval is due
+                left = due - time.monotonic()
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, left))
+                if not ready:
+                    break
+                answer_s.append(time.monotonic() - pending.pop(ready[0]))
+                for v in _verdicts(ray.get(ready[0])):
+                    verdicts[v] = verdicts.get(v, 0) + 1
+            left = due - time.monotonic()
+            if left > 0:
+                time.sleep(left)
+        for ref in list(pending):  # what is still in flight after the run is counted
+            try:
+                for v in _verdicts(ray.get(ref, timeout=30)):
+                    verdicts[v] = verdicts.get(v, 0) + 1
+                answer_s.append(time.monotonic() - pending.pop(ref))
+            except ray.exceptions.GetTimeoutError:
+                refused += 1
+        refused += sum(n for v, n in verdicts.items() if v == "refused")
+        return {
+            "ticks": ticks, "late": late, "calls": calls, "batches": batches, "answer_s": answer_s,
+            "refused": refused, "verdicts": verdicts,
+        }  # fmt: skip
+
+
+def _verdicts(answer: Any) -> list[str]:
+    if isinstance(answer, tuple):  # node_push: (report verdict, [batch verdicts])
+        return [answer[0], *answer[1]]
+    return [answer]
+
+
+class Reader:
+    """A controller following the aggregator (views as deltas, the index as ops),
+    deciding continuously with precise routing."""
+
+    def __init__(self, aggregator: Any, world_size: int, epoch: float) -> None:
+        self.agg = aggregator
+        self.world_size = world_size
+        self.epoch = epoch
+
+    def run(self, seconds: float) -> dict[str, Any]:
+        import pickle
+
+        import ray
+
+        from kvfold.admission import AdmissionController, AdmissionRequest
+        from kvfold.aggregator.view_delta import ViewReader
+        from kvfold.blockindex.events import BlockStored
+        from kvfold.workload.fleet_load import SHARED_TAG, probe_sent_s, report_sent_s
+
+        reader = ViewReader()
+        nbytes: list[int] = []
+        refresh_s: list[float] = []
+        view_age_s: list[float] = []
+        lag_s: list[float] = []
+        view_s: list[float] = []
+        view_bytes: list[int] = []
+        index_bytes: list[int] = []
+        held: dict[str, Any] = {"view": None, "bytes": 0}
+
+        def fetch_view() -> Any:
+            t0 = time.perf_counter()
+            asked = reader.position
+            data = ray.get(self.agg.view_since.remote(asked))
+            held["bytes"] = len(data or b"")
+            view = reader.apply(data, asked)
+            while view is None:  # asked again from the new position
+                asked = reader.position
+                data = ray.get(self.agg.view_since.remote(asked))
+                held["bytes"] += len(data or b"")
+                view = reader.apply(data, asked)
+            held["view"] = view
+            view_s.append(time.perf_counter() - t0)
+            view_bytes.append(held["bytes"])
+            return view
+
+        def index_since(cursor: Any) -> Any:
+            data = ray.get(self.agg.block_index_since.remote(cursor))
+            index_bytes.append(len(data))
+            now, ops, whole = pickle.loads(data)
+            if not whole:
+                seen = time.time()
+                for op in ops:
+                    if op[0] != "apply":
+                        continue
+                    for e in op[2]:
+                        if isinstance(e, BlockStored) and len(e.block_hashes) == 1:
+                            sent = probe_sent_s(e.block_hashes[0])
+                            if sent is not None:
+                                lag_s.append(seen - sent)
+            return tuple(now), ops, whole
+
+        ctl = AdmissionController(
+            fetch_view, index_source=index_since, router="precise_prefix", refresh_interval_s=1e9
+        )
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        decisions = 0
+        start = time.monotonic()
+        next_refresh = start
+        i = 0
+        while time.monotonic() - start < seconds:
+            now = time.monotonic()
+            if now >= next_refresh:
+                next_refresh = now + 0.05
+                t0 = time.perf_counter()
+                if PROFILE:
+                    prof.enable()
+                ctl.refresh(force=True)
+                if PROFILE:
+                    prof.disable()
+                refresh_s.append(time.perf_counter() - t0)
+                nbytes.append(view_bytes[-1] + index_bytes[-1] if index_bytes else 0)
+                view = held["view"]
+                stamps = [n.ranks[0].num_refused for n in view.nodes if n.ranks[0].incarnation]
+                if stamps:  # from the send of the newest report in the view (fleet_load)
+                    view_age_s.append(time.time() - report_sent_s(max(stamps), self.epoch))
+            i += 1
+            p = i % 64
+            keys = tuple(SHARED_TAG | (p << 16) | b for b in range(8))
+            req = AdmissionRequest(f"r{i}", 8 * 16 + 5, 64, prefix_keys=keys)  # type: ignore[arg-type]
+            ctl.decide(req)
+            ctl.release(req.request_id)
+            decisions += 1
+        out = io.StringIO()
+        if PROFILE:
+            pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats(25)
+        return {
+            "profile": out.getvalue()[:8000] if PROFILE else "",
+            "decisions_per_s": decisions / (time.monotonic() - start),
+            "refresh_s": refresh_s, "bytes": nbytes, "view_s": view_s,
+            "view_bytes": view_bytes, "index_bytes": index_bytes, "view_age_s": view_age_s,
+            "lag_s": lag_s,
+            "index_error": ctl.index_error, "view_error": ctl.view_error,
+        }  # fmt: skip
+
+
+def run_one(num_nodes: int, mode: str, seconds: float, events: float, drivers: int) -> dict:
+    import ray
+
+    from kvfold.aggregator.cluster_actor import ClusterAggregator
+
+    world = num_nodes * RANKS_PER_NODE
+    ns = f"kvfold-scale-{mode}-{num_nodes}"
+    agg_cls = ray.remote(concurrency_groups={"reports": 1, "events": 1})(ClusterAggregator)
+    agg = agg_cls.options(num_cpus=0, namespace=ns, max_concurrency=32).remote(
+        [n for n in range(num_nodes) for _ in range(RANKS_PER_NODE)],
+        [None],
+        namespace=ns,
+        report_interval_s=INTERVAL_S,
+        stale_after_s=3 * INTERVAL_S,
+        dead_after_s=30 * INTERVAL_S,
+        verify_sources=False,
+    )
+    epoch = time.time()
+    bounds = [num_nodes * d // drivers for d in range(drivers + 1)]
+    load = [
+        ray.remote(LoadDriver).options(num_cpus=0).remote(lo, hi, num_nodes, events, agg, epoch)
+        for lo, hi in itertools.pairwise(bounds)
+    ]
+    reader = ray.remote(Reader).options(num_cpus=0).remote(agg, world, epoch)
+    ray.get(agg.ping.remote())
+    applied0 = ray.get(agg.block_index_counts.remote())["applied"]
+    cpu0, t0 = ray.get(agg.cpu_seconds.remote()), time.monotonic()
+    runs = [d.run.remote(mode, seconds) for d in load]
+    read = reader.run.remote(seconds)
+    time.sleep(seconds)  # the window: what the aggregator did while the load was offered
+    cpu1, t1 = ray.get(agg.cpu_seconds.remote()), time.monotonic()
+    applied1 = ray.get(agg.block_index_counts.remote())["applied"]
+    outs = ray.get(runs)  # the drivers wait for their last answers
+    r = ray.get(read)
+    counts = ray.get(agg.block_index_counts.remote())
+    for a in [agg, reader, *load]:
+        ray.kill(a)
+    answers = [s for o in outs for s in o["answer_s"]]
+    return {
+        "nodes": num_nodes,
+        "mode": mode,
+        "agg_cpu": (cpu1 - cpu0) / (t1 - t0),
+        "calls_per_s": sum(o["calls"] for o in outs) / seconds,
+        # event batches offered by the drivers, and applied by the index in the window
+        "offered_per_s": sum(o["batches"] for o in outs) / seconds,
+        "applied_per_s": (applied1 - applied0) / (t1 - t0),
+        "answer_p50_ms": 1e3 * statistics.median(answers) if answers else float("nan"),
+        "answer_p99_ms": 1e3 * percentile(answers, 0.99) if answers else float("nan"),
+        "late_ticks": sum(o["late"] for o in outs),
+        "ticks": sum(o["ticks"] for o in outs),
+        "refused": sum(o["refused"] for o in outs),
+        "out_of_sync": len(counts["out_of_sync"]),
+        "view_age_p50_ms": 1e3 * statistics.median(r["view_age_s"]),
+        "view_age_p99_ms": 1e3 * percentile(r["view_age_s"], 0.99),
+        "lag_p50_ms": 1e3 * statistics.median(r["lag_s"]) if r["lag_s"] else float("nan"),
+        "lag_p99_ms": 1e3 * percentile(r["lag_s"], 0.99) if r["lag_s"] else float("nan"),
+        "refresh_p50_ms": 1e3 * statistics.median(r["refresh_s"]),
+        "refresh_p99_ms": 1e3 * percentile(r["refresh_s"], 0.99),
+        "bytes_p50": statistics.median(r["bytes"]),
+        "view_p50_ms": 1e3 * statistics.median(r["view_s"]),
+        "view_kib": statistics.median(r["view_bytes"]) / 1024,
+        "index_kib": statistics.median(r["index_bytes"]) / 1024,
+        "decisions_per_s": r["decisions_per_s"],
+        "errors": [e for e in (r["index_error"], r["view_error"]) if e],
+        "profile": r["profile"],
+    }
+
+
+COLUMNS = (
+    ("nodes", "{:>6}"), ("mode", "{:>10}"), ("agg_cpu", "{:>8.2f}"), ("calls_per_s", "{:>9.0f}"),
+    ("offered_per_s", "{:>8.0f}"), ("applied_per_s", "{:>8.0f}"),
+    ("answer_p50_ms", "{:>8.1f}"), ("answer_p99_ms", "{:>8.1f}"), ("late_ticks", "{:>5}"),
+    ("refused", "{:>5}"), ("out_of_sync", "{:>5}"), ("view_age_p50_ms", "{:>8.0f}"),
+    ("view_age_p99_ms", "{:>8.0f}"), ("lag_p50_ms", "{:>8.0f}"), ("lag_p99_ms", "{:>8.0f}"),
+    ("refresh_p50_ms", "{:>8.2f}"), ("view_p50_ms", "{:>8.2f}"), ("view_kib", "{:>8.1f}"),
+    ("index_kib", "{:>8.1f}"), ("decisions_per_s", "{:>8.0f}"),
+)  # fmt: skip
+HEADS = (
+    "nodes", "way", "aggCPU", "calls/s", "offer/s", "apply/s", "ans p50", "ans p99", "late",
+    "refus", "oos",
+    "age p50", "age p99", "lag p50", "lag p99", "refr p50", "view p50", "view KiB",
+    "idx KiB", "dec/s",
+)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", default="16,32,64", help="comma-separated N (8 ranks each)")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--events", type=float, default=200.0, help="block events per rank per s")
+    ap.add_argument("--drivers", type=int, default=1, help="load driver processes")
+    args = ap.parse_args()
+    sizes = [int(n) for n in args.nodes.split(",")]
+    cluster = start_local_cluster(1, 1, cpus_per_node=2)
+    rows = []
+    try:
+        print(" ".join(f"{h:>8}" for h in HEADS))
+        for n in sizes:
+            for mode in ("direct", "coalesced"):
+                row = run_one(n, mode, args.seconds, args.events, args.drivers)
+                rows.append(row)
+                print(" ".join(fmt.format(row[k]) for k, fmt in COLUMNS), flush=True)
+                if row["profile"]:
+                    print(row["profile"])
+                if row["errors"]:
+                    print("   reader errors:", row["errors"])
+    finally:
+        cluster.shutdown()
+    interval_ms = INTERVAL_S * 1e3
+    for row in rows:
+        if row["mode"] != "coalesced":
+            continue
+        n = row["nodes"]
+        direct = next(r for r in rows if r["nodes"] == n and r["mode"] == "direct")
+        info(f"N={n}: aggregator CPU per node, coalesced (ms/s)", 1e3 * row["agg_cpu"] / n, "ms")
+        info(f"N={n}: aggregator CPU per node, direct (ms/s)", 1e3 * direct["agg_cpu"] / n, "ms")
+        report(f"N={n}: view age p99, coalesced", row["view_age_p99_ms"], "ms", 2 * interval_ms)
+        report(f"N={n}: index lag p99, coalesced", row["lag_p99_ms"], "ms", 2 * interval_ms)
+        report(f"N={n}: reader view refresh p50, coalesced", row["view_p50_ms"], "ms", 2.0)
+        report(f"N={n}: reader view refresh bytes p50, coalesced", row["view_kib"], "KiB", 64)
+        info(f"N={n}: reader refresh p50 with the index, coalesced", row["refresh_p50_ms"], "ms")
+
+
+if __name__ == "__main__":
+    main()
