@@ -7,6 +7,8 @@ Against the real ClusterAggregator actor, two ways of sending, measured in the s
              per rank's batch of block events (every rank publishing to the aggregator)
   coalesced  one call per node and interval, carrying the report and its ranks'
              batches (ClusterAggregator.node_push, as node actors send them)
+  racked     the same calls to rack actors of --per-rack nodes (RackAggregator), each
+             forwarding one call per interval (launch(nodes_per_rack=...))
 
 Load driver actors generate and send; a reader actor runs an AdmissionController with
 precise routing that refreshes every 50 ms and decides continuously. Printed per N and
@@ -46,13 +48,14 @@ class LoadDriver:
 
     def __init__(
         self, lo: int, hi: int, num_nodes: int, events_per_rank_s: float, aggregator: Any,
-        epoch: float,
+        epoch: float, racks: list[Any], nodes_per_rack: int,
     ) -> None:  # fmt: skip
         from kvfold.workload.fleet_load import FleetSlice, LoadShape
 
         shape = LoadShape(ranks_per_node=RANKS_PER_NODE, events_per_rank_s=events_per_rank_s)
         self.slice = FleetSlice(range(lo, hi), num_nodes, shape, seed=lo, epoch_unix_s=epoch)
         self.agg = aggregator
+        self.racks, self.nodes_per_rack = racks, nodes_per_rack
 
     def run(self, mode: str, seconds: float) -> dict[str, Any]:
         import ray
@@ -65,10 +68,14 @@ class LoadDriver:
         due = start
         while time.monotonic() - start < seconds:
             due += INTERVAL_S
-            for _node, report_bytes, envelopes in self.slice.tick(INTERVAL_S, time.time()):
+            for node, report_bytes, envelopes in self.slice.tick(INTERVAL_S, time.time()):
                 sent = time.monotonic()
                 batches += len(envelopes)
-                if mode == "coalesced":
+                if mode == "racked":
+                    rack = self.racks[node // self.nodes_per_rack]
+                    pending[rack.node_push.remote(report_bytes, envelopes)] = sent
+                    calls += 1
+                elif mode == "coalesced":
                     pending[self.agg.node_push.remote(report_bytes, envelopes)] = sent
                     calls += 1
                 else:
@@ -220,15 +227,21 @@ class Reader:
         }  # fmt: skip
 
 
-def run_one(num_nodes: int, mode: str, seconds: float, events: float, drivers: int) -> dict:
+def run_one(
+    num_nodes: int, mode: str, seconds: float, events: float, drivers: int, per_rack: int
+) -> dict:
     import ray
 
     from kvfold.aggregator.cluster_actor import ClusterAggregator
+    from kvfold.aggregator.rack_actor import RackAggregator
+    from kvfold.naming import AGGREGATOR_NAME, rack_actor_name
 
     world = num_nodes * RANKS_PER_NODE
     ns = f"kvfold-scale-{mode}-{num_nodes}"
     agg_cls = ray.remote(concurrency_groups={"reports": 1, "events": 1})(ClusterAggregator)
-    agg = agg_cls.options(num_cpus=0, namespace=ns, max_concurrency=32).remote(
+    agg = agg_cls.options(
+        name=AGGREGATOR_NAME, num_cpus=0, namespace=ns, max_concurrency=32
+    ).remote(
         [n for n in range(num_nodes) for _ in range(RANKS_PER_NODE)],
         [None],
         namespace=ns,
@@ -237,15 +250,27 @@ def run_one(num_nodes: int, mode: str, seconds: float, events: float, drivers: i
         dead_after_s=30 * INTERVAL_S,
         verify_sources=False,
     )
+    nan = float("nan")
+    racks = []
+    if mode == "racked":  # named as launch names them: they find the aggregator by name
+        racks = [
+            ray.remote(RackAggregator)
+            .options(name=rack_actor_name(i), namespace=ns, num_cpus=0)
+            .remote(i, namespace=ns, report_interval_s=INTERVAL_S)
+            for i in range(-(-num_nodes // per_rack))
+        ]
     epoch = time.time()
     bounds = [num_nodes * d // drivers for d in range(drivers + 1)]
     load = [
-        ray.remote(LoadDriver).options(num_cpus=0).remote(lo, hi, num_nodes, events, agg, epoch)
+        ray.remote(LoadDriver)
+        .options(num_cpus=0)
+        .remote(lo, hi, num_nodes, events, agg, epoch, racks, per_rack)
         for lo, hi in itertools.pairwise(bounds)
     ]
     reader = ray.remote(Reader).options(num_cpus=0).remote(agg, world, epoch)
     ray.get(agg.ping.remote())
     applied0 = ray.get(agg.block_index_counts.remote())["applied"]
+    ray.get([r.ping.remote() for r in racks])
     cpu0, t0 = ray.get(agg.cpu_seconds.remote()), time.monotonic()
     runs = [d.run.remote(mode, seconds) for d in load]
     read = reader.run.remote(seconds)
@@ -255,7 +280,7 @@ def run_one(num_nodes: int, mode: str, seconds: float, events: float, drivers: i
     outs = ray.get(runs)  # the drivers wait for their last answers
     r = ray.get(read)
     counts = ray.get(agg.block_index_counts.remote())
-    for a in [agg, reader, *load]:
+    for a in [agg, reader, *load, *racks]:
         ray.kill(a)
     answers = [s for o in outs for s in o["answer_s"]]
     return {
@@ -272,8 +297,8 @@ def run_one(num_nodes: int, mode: str, seconds: float, events: float, drivers: i
         "ticks": sum(o["ticks"] for o in outs),
         "refused": sum(o["refused"] for o in outs),
         "out_of_sync": len(counts["out_of_sync"]),
-        "view_age_p50_ms": 1e3 * statistics.median(r["view_age_s"]),
-        "view_age_p99_ms": 1e3 * percentile(r["view_age_s"], 0.99),
+        "view_age_p50_ms": 1e3 * statistics.median(r["view_age_s"] or [nan]),
+        "view_age_p99_ms": 1e3 * percentile(r["view_age_s"] or [nan], 0.99),
         "lag_p50_ms": 1e3 * statistics.median(r["lag_s"]) if r["lag_s"] else float("nan"),
         "lag_p99_ms": 1e3 * percentile(r["lag_s"], 0.99) if r["lag_s"] else float("nan"),
         "refresh_p50_ms": 1e3 * statistics.median(r["refresh_s"]),
@@ -311,6 +336,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--events", type=float, default=200.0, help="block events per rank per s")
     ap.add_argument("--drivers", type=int, default=1, help="load driver processes")
+    ap.add_argument("--per-rack", type=int, default=32, help="nodes per rack actor (racked)")
     args = ap.parse_args()
     sizes = [int(n) for n in args.nodes.split(",")]
     cluster = start_local_cluster(1, 1, cpus_per_node=2)
@@ -318,8 +344,8 @@ def main() -> None:
     try:
         print(" ".join(f"{h:>8}" for h in HEADS))
         for n in sizes:
-            for mode in ("direct", "coalesced"):
-                row = run_one(n, mode, args.seconds, args.events, args.drivers)
+            for mode in ("direct", "coalesced", "racked"):
+                row = run_one(n, mode, args.seconds, args.events, args.drivers, args.per_rack)
                 rows.append(row)
                 print(" ".join(fmt.format(row[k]) for k, fmt in COLUMNS), flush=True)
                 if row["profile"]:
@@ -330,17 +356,15 @@ def main() -> None:
         cluster.shutdown()
     interval_ms = INTERVAL_S * 1e3
     for row in rows:
-        if row["mode"] != "coalesced":
+        n, way = row["nodes"], row["mode"]
+        info(f"N={n}: aggregator CPU per node, {way} (ms/s)", 1e3 * row["agg_cpu"] / n, "ms")
+        if way == "direct":
             continue
-        n = row["nodes"]
-        direct = next(r for r in rows if r["nodes"] == n and r["mode"] == "direct")
-        info(f"N={n}: aggregator CPU per node, coalesced (ms/s)", 1e3 * row["agg_cpu"] / n, "ms")
-        info(f"N={n}: aggregator CPU per node, direct (ms/s)", 1e3 * direct["agg_cpu"] / n, "ms")
-        report(f"N={n}: view age p99, coalesced", row["view_age_p99_ms"], "ms", 2 * interval_ms)
-        report(f"N={n}: index lag p99, coalesced", row["lag_p99_ms"], "ms", 2 * interval_ms)
-        report(f"N={n}: reader view refresh p50, coalesced", row["view_p50_ms"], "ms", 2.0)
-        report(f"N={n}: reader view refresh bytes p50, coalesced", row["view_kib"], "KiB", 64)
-        info(f"N={n}: reader refresh p50 with the index, coalesced", row["refresh_p50_ms"], "ms")
+        report(f"N={n}: view age p99, {way}", row["view_age_p99_ms"], "ms", 2 * interval_ms)
+        report(f"N={n}: index lag p99, {way}", row["lag_p99_ms"], "ms", 2 * interval_ms)
+        report(f"N={n}: reader view refresh p50, {way}", row["view_p50_ms"], "ms", 2.0)
+        report(f"N={n}: reader view refresh bytes p50, {way}", row["view_kib"], "KiB", 64)
+        info(f"N={n}: reader refresh p50 with the index, {way}", row["refresh_p50_ms"], "ms")
 
 
 if __name__ == "__main__":

@@ -111,8 +111,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
             engines=engines,
+            nodes_per_rack=args.nodes_per_rack,
         )
-    except KVFoldError as e:
+    except (KVFoldError, ValueError) as e:
         print(f"kvfold up: {e}", file=sys.stderr)
         return 2
     print(render_table(kv.view(), title=f"kvfold is up in namespace {args.namespace!r}"))
@@ -153,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     metrics_args(u, port=None)
     engine_args(u)
     u.add_argument("--timeout", type=float, default=60.0, help="placement timeout (s)")
+    u.add_argument(
+        "--nodes-per-rack", type=int, default=0,
+        help="nodes push through rack actors of this many nodes (0: straight; docs/scale.md)",
+    )  # fmt: skip
     u.set_defaults(fn=cmd_up)
     s = sub.add_parser("status", help="print one cluster view")
     connect_args(s)

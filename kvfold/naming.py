@@ -12,5 +12,9 @@ def node_actor_name(node: int) -> str:
     return f"{PREFIX}node:{node}"
 
 
+def rack_actor_name(rack: int) -> str:
+    return f"{PREFIX}rack:{rack}"
+
+
 def rank_actor_name(rank: int) -> str:
     return f"{PREFIX}rank:{rank}"

@@ -177,6 +177,15 @@ class ClusterAggregator:
         self.events_refused += len(envelopes[MAX_BATCHES_PER_PUSH:])
         return verdict, answers
 
+    @ray.method(concurrency_group="reports")
+    def rack_push(self, reports: list[bytes], batches: list[bytes]) -> int:
+        """A rack's node pushes since its last (kvfold.aggregator.rack_actor), in the
+        order they came: how many of the reports were accepted."""
+        accepted = sum(self._node_report(r) == ACCEPTED for r in reports)
+        for data in batches:
+            self._ingest(data)
+        return accepted
+
     def _verify_node(self, node: int, incarnation: int) -> bool:
         """Ask the named node actor itself whether it is in that incarnation."""
         if not self.verify_sources:

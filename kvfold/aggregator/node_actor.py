@@ -28,7 +28,7 @@ from kvfold.blockindex.events import HOST, Event
 from kvfold.blockindex.feed import Snapshot
 from kvfold.codec import encode_node_report
 from kvfold.hosttier import HostTierServer
-from kvfold.naming import AGGREGATOR_NAME, rank_actor_name
+from kvfold.naming import AGGREGATOR_NAME, rack_actor_name, rank_actor_name
 from kvfold.ray_actor import (
     BackgroundLoop,
     EventPublisher,
@@ -64,11 +64,14 @@ class HostKVActor:
         dead_after_s: float,
         host_num_blocks: int = 0,
         layout: BlockLayout | None = None,
+        rack: int | None = None,
     ) -> None:
         self.topology = Topology.from_mapping(rank_to_node)
         self.node = node
         self.namespace = namespace
         self.report_interval_s = report_interval_s
+        # where pushes go: its rack's actor (kvfold.aggregator.rack_actor), or the aggregator
+        self.push_to = AGGREGATOR_NAME if rack is None else rack_actor_name(rack)
         self.state = NodeState(self.topology, node, windows, stale_after_s, dead_after_s)
         self.host = HostTierServer(host_num_blocks, layout)
         self.incarnation = secrets.randbits(62) | 1
@@ -221,7 +224,7 @@ class HostKVActor:
             )
         self.events.publish(self._drain_host_events, 0.0)  # into the outbox
         batches = self._take_outbox()
-        agg = named_actor(AGGREGATOR_NAME, self.namespace)
+        agg = named_actor(self.push_to, self.namespace)
         if agg is None:
             self.pushes_failed += 1
             return util

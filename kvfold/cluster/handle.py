@@ -154,6 +154,7 @@ class KVFold:
         self.ray_node_ids = ray_node_ids
         self.client = KVFoldClient(namespace=settings.namespace)
         self._ranks = [RankClient(r, h) for r, h in enumerate(ranks)]
+        self.rack_handles: list[Any] = []  # rack actors, when launched with nodes_per_rack
         # seconds each phase of launch() took, in order (set by launch; empty on attach)
         self.launch_phases: dict[str, float] = {}
 
@@ -227,7 +228,7 @@ class KVFold:
 
     def shutdown(self) -> None:
         """Stop every kvfold actor of this deployment and free its placement group."""
-        for h in [*self.rank_handles, *self.node_handles, self.aggregator]:
+        for h in [*self.rank_handles, *self.node_handles, *self.rack_handles, self.aggregator]:
             with contextlib.suppress(RayActorError, ValueError):
                 ray.kill(h, no_restart=True)
         if self.placement_group is not None:

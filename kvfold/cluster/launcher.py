@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import (
 from kvfold.aggregator.client import KVFoldClient
 from kvfold.aggregator.cluster_actor import CARRY_KEY, ClusterAggregator
 from kvfold.aggregator.node_actor import HostKVActor
+from kvfold.aggregator.rack_actor import RackAggregator
 from kvfold.cluster.handle import KVFold
 from kvfold.cluster.settings import LaunchSettings
 from kvfold.engines.endpoints import EngineEndpoints
@@ -39,6 +40,7 @@ from kvfold.naming import (
     PLACEMENT_GROUP_NAME,
     PREFIX,
     node_actor_name,
+    rack_actor_name,
     rank_actor_name,
 )
 from kvfold.ray_actor import named_actor
@@ -105,6 +107,7 @@ def launch(
     metrics_host: str = "127.0.0.1",
     engine_factory: EngineFactory | None = SimEngine,
     engines: Sequence[EngineEndpoints] | None = None,
+    nodes_per_rack: int = 0,
 ) -> KVFold:
     """Start kvfold on the Ray cluster at `address` (or the one this process is connected to).
 
@@ -120,6 +123,8 @@ def launch(
     EngineRankActor reading what its engine publishes (its KV events and its numbers
     page), instead of a kvfold cache (`cache` then only names the windows; full
     attention is the default's).
+    nodes_per_rack: above 0, nodes push through rack actors of that many nodes each,
+    one call per rack and interval at the aggregator (docs/scale.md); 0: straight.
     """
     if namespace is None:
         namespace = ray.get_runtime_context().namespace if ray.is_initialized() else None
@@ -137,6 +142,7 @@ def launch(
         gpus_per_rank=gpus_per_rank,
         rank_max_restarts=rank_max_restarts,
         engines=tuple(engines or ()),
+        nodes_per_rack=nodes_per_rack,
     )
     return _deploy(settings, address, (metrics_host, metrics_port), engine_factory, wait_fresh)
 
@@ -165,6 +171,8 @@ def _deploy(
     try:
         aggregator = _start_aggregator(settings, placement, metrics)
         actors.append(aggregator)
+        racks = _start_racks(settings, placement)
+        actors += racks
         nodes = _start_nodes(settings, placement)
         actors += nodes
         ranks = _start_ranks(settings, placement, engine_factory)
@@ -186,6 +194,7 @@ def _deploy(
             kv.shutdown()
             raise
         clock.mark("ranks fresh")
+    kv.rack_handles = racks
     kv.launch_phases = clock.phases
     return kv
 
@@ -276,6 +285,23 @@ def _start_aggregator(
     )
 
 
+def _start_racks(settings: LaunchSettings, placement: Placement) -> list[Any]:
+    """One RackAggregator per `nodes_per_rack` nodes, beside the aggregator."""
+    per = settings.nodes_per_rack
+    if not per:
+        return []
+    num_racks = -(-len(placement.node_ids) // per)
+    actor = ray.remote(RackAggregator)
+    return [
+        actor.options(
+            **_actor_options(
+                settings, rack_actor_name(i), resources=_on_head_node(), max_restarts=-1
+            )
+        ).remote(i, **_common(settings))
+        for i in range(num_racks)
+    ]
+
+
 def _start_nodes(settings: LaunchSettings, placement: Placement) -> list[Any]:
     """One HostKVActor per node, pinned to it. Reports: one thread, in order;
     offload/onboard: threads of their own (they hold the node's lock while a batch is
@@ -301,6 +327,7 @@ def _start_nodes(settings: LaunchSettings, placement: Placement) -> list[Any]:
                 **_freshness(settings),
                 host_num_blocks=settings.host_num_blocks,
                 layout=settings.cache.block_layout(),
+                rack=node // settings.nodes_per_rack if settings.nodes_per_rack else None,
             )
         )
     return nodes

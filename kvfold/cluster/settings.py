@@ -24,6 +24,7 @@ class LaunchSettings:
     gpus_per_rank: float
     rank_max_restarts: int
     engines: tuple[EngineEndpoints, ...] = ()  # engine ranks (DESIGN §10): one per rank
+    nodes_per_rack: int = 0  # 0: nodes push to the aggregator; else through rack actors
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, 1)
@@ -34,6 +35,7 @@ class LaunchSettings:
                 f"cache must be a KVCacheConfig or None, got {type(self.cache).__name__}"
             )
         check_int("host_num_blocks", self.host_num_blocks, 0)
+        check_int("nodes_per_rack", self.nodes_per_rack, 0)
         for name in (
             "report_interval_s",
             "stale_after_s",

@@ -1,6 +1,7 @@
 """The cluster block index through the running system: real rank actors (full attention
 and a sliding window, small pools: evictions, offloads to the nodes' host tiers) publish
-their block events to the aggregator; after a quiescent interval the index, and a
+their block events through their node actors and a rack actor per node (the fleet-scale
+path: docs/scale.md) to the aggregator; after a quiescent interval the index, and a
 replica a client keeps from its op log, equal the ranks' and host tiers' own key sets.
 Then the index must heal on its own: the aggregator restarts (empty index; the sources
 are resynchronised from snapshots) and a rank restarts (its old keys leave)."""
@@ -40,7 +41,9 @@ PREFIXES = [list(range(1000, 1000 + 6 * B)), list(range(2000, 2000 + 3 * B)), []
 
 @pytest.fixture(scope="module")
 def kv():  # type: ignore[no-untyped-def]
-    with running(2, 2, 3, cache=CACHE, host_num_blocks=20, report_interval_s=0.05) as (_, dep):
+    with running(
+        2, 2, 3, cache=CACHE, host_num_blocks=20, report_interval_s=0.05, nodes_per_rack=1
+    ) as (_, dep):
         dep.wait_until_fresh()
         yield dep
 
@@ -166,13 +169,15 @@ def _follower_equals_a_full_fetch(kv: Any, follower: KVFoldClient, replica: Any)
 
 
 def test_followers_end_equal_to_a_full_fetch_through_restarts(kv: Any) -> None:
-    """Random work and restarts of the aggregator, node actors (whose outboxes carry
-    their ranks' event batches: lost ones resynchronise) and ranks, in a random order;
+    """Random work and restarts of the aggregator, rack actors and node actors (which
+    hold their ranks' event batches for a moment: lost ones resynchronise) and ranks, in
+    a random order;
     a reader following deltas and ops all along ends where a full fetch is, each time."""
     rng = random.Random(19)
     follower = KVFoldClient(namespace=kv.namespace)
     replica = follower.index()
-    restarts = ["aggregator", "node0", "node1", "rank0", "rank2"]
+    assert len(kv.rack_handles) == 2, "every node pushes through a rack actor here"
+    restarts = ["aggregator", "rack0", "rack1", "node0", "node1", "rank0", "rank2"]
     rng.shuffle(restarts)
     for step, what in enumerate(restarts):
         _drive(kv, rng, 30, f"f{step}")
@@ -181,6 +186,8 @@ def test_followers_end_equal_to_a_full_fetch_through_restarts(kv: Any) -> None:
             replica.refresh()  # the follower moves along while things change
         if what == "aggregator":
             ray.kill(ray.get_actor(AGGREGATOR_NAME, namespace=kv.namespace), no_restart=False)
+        elif what.startswith("rack"):
+            ray.kill(kv.rack_handles[int(what[4:])], no_restart=False)
         elif what.startswith("node"):
             ray.kill(kv.node_handles[int(what[4:])], no_restart=False)
         else:
