@@ -11,6 +11,7 @@ the reader's SUB; an endpoint holding `*` or `::` would make it bind on every in
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 from collections.abc import Mapping
@@ -136,11 +137,36 @@ def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: int = KV_DTYPE_BY
 
 
 def free_loopback_port() -> int:
-    """A port free on 127.0.0.1 now (another process may take it before it is used)."""
-    with socket.socket() as s:
+    """A port free on 127.0.0.1 now, below the ephemeral range: a port the kernel hands
+    out as it will (bind to 0) is also what it gives the next outgoing connection's
+    source, which took an engine's events port in the seconds before kvfold bound it.
+    Another listener may still take it before it is used."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(PRIVATE_PORTS_FROM, low)
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below is taken: whatever the kernel gives
         s.bind((LOOPBACK, 0))
-        port: int = s.getsockname()[1]
-        return port
+        got: int = s.getsockname()[1]
+        return got
+
+
+PRIVATE_PORTS_FROM = 20_000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32_768
+    return max(low, PRIVATE_PORTS_FROM + 1_000)
 
 
 __all__ = [
