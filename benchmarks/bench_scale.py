@@ -1,10 +1,10 @@
 """Fleet scale: N nodes x 8 ranks at a 100 ms interval, with their block events, on one
 cluster view, without N x 8 actors (kvfold.workload.fleet_load stands in for them).
 
-Against the real ClusterAggregator actor, two ways of sending, measured in the same run:
+Against the real ClusterAggregator actor, three ways of sending, measured in the same run:
 
-  direct     today's rank path: per node and interval, one node report and one call
-             per rank's batch of block events (every rank publishing to the aggregator)
+  direct     the path before coalescing: per node and interval, one node report and one
+             call per rank's batch of block events (every rank publishing to the aggregator)
   coalesced  one call per node and interval, carrying the report and its ranks'
              batches (ClusterAggregator.node_push, as node actors send them)
   racked     the same calls to rack actors of --per-rack nodes (RackAggregator), each
@@ -12,11 +12,14 @@ Against the real ClusterAggregator actor, two ways of sending, measured in the s
 
 Load driver actors generate and send; a reader actor runs an AdmissionController with
 precise routing that refreshes every 50 ms and decides continuously. Printed per N and
-way: the aggregator's CPU (fraction of a core), push answers (p50/p99 ms) and pushes
-late or refused, view age at the reader (now minus the newest report folded into the
-view it decided on), index lag (a probe block's send to its visibility in the reader's
-replica), sources out of sync at the end (events lost and not yet resynchronised), the
-reader's refresh time and bytes, and decisions per second.
+way:
+- the aggregator's CPU (fraction of a core);
+- push answers (p50/p99 ms; racked: the rack's "queued"), pushes late or refused;
+- view age at the reader: now minus the send of the newest report folded into the view
+  it decided on;
+- index lag: a probe block's send to its visibility in the reader's replica;
+- sources out of sync at the end (events lost and not yet resynchronised);
+- the reader's refresh time and bytes, and decisions per second.
 
     python benchmarks/bench_scale.py [--nodes 16,32,64,128] [--seconds 8] [--events 200]
 """

@@ -8,9 +8,9 @@ and asking a named actor itself whether it lives.
     incarnation_of / is_gone / gone_among    a named actor's own word
     EventPublisher                           a source's block-event stream to the cluster
                                              block index (DESIGN §9), sent from the same
-                                             loop as its reports, straight to the
-                                             aggregator; a lost batch is a gap the index
-                                             heals from a snapshot, so nothing is resent
+                                             loop as its reports, through its node actor;
+                                             a lost batch is a gap the index heals from a
+                                             snapshot, so nothing is resent
 
 Library code logs to the `kvfold` logger; nothing here prints.
 """
@@ -257,7 +257,7 @@ class EventPublisher:
 
     def _lost(self, _error: RayError, _tag: None) -> None:
         self.failed += 1
-        self._agg = None  # re-resolve: the aggregator may have restarted
+        self._agg = None  # re-resolve: the node actor (or aggregator) may have restarted
 
     def snapshot(
         self,

@@ -133,8 +133,10 @@ class HostKVActor:
 
     # ------------------------------------------------------------ block events
 
+    @ray.method(concurrency_group="events")
     def rank_events(self, data: bytes) -> str:
-        """One of its ranks' block-event batches, sent on with the next push."""
+        """One of its ranks' block-event batches, sent on with the next push. One thread
+        takes them, so each rank's batches queue in the order it sent them."""
         return "queued" if self._queue(data) else "dropped"
 
     def _queue(self, data: bytes) -> bool:
@@ -209,8 +211,8 @@ class HostKVActor:
     def _push(self, wait_s: float | None = None) -> None:
         with self.push_lock:
             util = self._push_now(3 * self.report_interval_s if wait_s is None else wait_s)
-        now = time.monotonic()
-        if self._probe.due(now):
+            due = self._probe.due(time.monotonic())
+        if due:
             self._mark_gone_ranks(util)
 
     def _push_now(self, wait_s: float) -> NodeUtilization:
@@ -224,13 +226,13 @@ class HostKVActor:
             )
         self.events.publish(self._drain_host_events, 0.0)  # into the outbox
         batches = self._take_outbox()
-        agg = named_actor(self.push_to, self.namespace)
-        if agg is None:
+        target = named_actor(self.push_to, self.namespace)  # its rack, or the aggregator
+        if target is None:
             self.pushes_failed += 1
             return util
         # wait a little for the answer, never long: a slow or restarting aggregator must
         # not hold back the next push (answers that come later are counted then)
-        self._inflight.add(agg.node_push.remote(data, batches), None)
+        self._inflight.add(target.node_push.remote(data, batches), None)
         self._inflight.wait(wait_s, last_only=True)
         self._settle()
         return util

@@ -4,9 +4,9 @@ where one actor cannot take a call per node and interval (docs/scale.md).
 Its nodes push to it what they would push to the aggregator (`node_push`: a node
 report and its ranks' block-event batches). Twice per `report_interval_s` it sends
 what came, in arrival order, as one `rack_push`: the aggregator takes two calls per
-rack and interval instead of one per node, and a report waits half an interval at
-most on the way. It decodes nothing and holds nothing that must
-survive: a rack that restarts loses at most the pushes it held (its nodes' next
+rack and interval instead of one per node, and a report waits about half an interval
+on the way (more while the aggregator is slow to answer). It decodes nothing and holds
+nothing that must survive: a rack that restarts loses at most the pushes it held (its nodes' next
 reports replace theirs; their sources' lost batches resynchronise from snapshots).
 """
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,13 @@ from ray.util.placement_group import remove_placement_group
 from kvfold.aggregator.client import KVFoldClient
 from kvfold.cluster.settings import LaunchSettings
 from kvfold.errors import AggregatorUnavailable, KVFoldError, RankUnavailable
-from kvfold.naming import AGGREGATOR_NAME, PLACEMENT_GROUP_NAME, node_actor_name, rank_actor_name
+from kvfold.naming import (
+    AGGREGATOR_NAME,
+    PLACEMENT_GROUP_NAME,
+    node_actor_name,
+    rack_actor_name,
+    rank_actor_name,
+)
 from kvfold.ray_actor import named_actor
 from kvfold.stats import IterationStats, KVStats, SequenceStatus, Window
 from kvfold.topology import Topology
@@ -192,7 +198,9 @@ class KVFold:
             pg = ray.util.get_placement_group(PLACEMENT_GROUP_NAME)
         except ValueError:
             pg = None
-        return cls(settings, topology, aggregator, nodes, ranks, pg, d["ray_node_ids"])
+        kv = cls(settings, topology, aggregator, nodes, ranks, pg, d["ray_node_ids"])
+        kv.rack_handles = _named_in_order(rack_actor_name, namespace)  # none without racks
+        return kv
 
     def view(self) -> ClusterView:
         return self.client.view()
@@ -240,3 +248,11 @@ class KVFold:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _named_in_order(name_of: Callable[[int], str], namespace: str) -> list[Any]:
+    """The named actors name_of(0), name_of(1), ... up to the first that is not there."""
+    found: list[Any] = []
+    while (handle := named_actor(name_of(len(found)), namespace)) is not None:
+        found.append(handle)
+    return found

@@ -11,7 +11,6 @@ PlacementError naming the missing resources, and leaves nothing behind.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from kvfold.aggregator.cluster_actor import CARRY_KEY, ClusterAggregator
 from kvfold.aggregator.node_actor import HostKVActor
 from kvfold.aggregator.rack_actor import RackAggregator
 from kvfold.cluster.handle import KVFold
+from kvfold.cluster.phases import PhaseClock
 from kvfold.cluster.settings import LaunchSettings
 from kvfold.engines.endpoints import EngineEndpoints
 from kvfold.engines.engine_rank_actor import EngineRankActor
@@ -187,6 +187,7 @@ def _deploy(
         raise PlacementError(f"kvfold actors failed to start: {e}") from e
     topology = Topology.from_mapping(placement.rank_to_node)
     kv = KVFold(settings, topology, aggregator, nodes, ranks, placement.group, placement.node_ids)
+    kv.rack_handles = racks  # before waiting: a shutdown on the way out stops them too
     if wait_fresh:
         try:
             kv.wait_until_fresh(timeout_s=settings.placement_timeout_s)
@@ -194,22 +195,8 @@ def _deploy(
             kv.shutdown()
             raise
         clock.mark("ranks fresh")
-    kv.rack_handles = racks
     kv.launch_phases = clock.phases
     return kv
-
-
-class PhaseClock:
-    """Seconds between marks, by the name of the phase each mark ends."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = time.monotonic()
-
-    def mark(self, phase: str) -> None:
-        now = time.monotonic()
-        self.phases[phase] = now - self._last
-        self._last = now
 
 
 @dataclass(frozen=True)
@@ -307,7 +294,7 @@ def _start_nodes(settings: LaunchSettings, placement: Placement) -> list[Any]:
     offload/onboard: threads of their own (they hold the node's lock while a batch is
     copied into or out of the pool, so a large batch can delay a report by that copy)."""
     assert settings.cache is not None
-    actor = ray.remote(concurrency_groups={"reports": 1, "data": 4})(HostKVActor)  # type: ignore[call-overload]
+    actor = ray.remote(concurrency_groups={"reports": 1, "events": 1, "data": 4})(HostKVActor)  # type: ignore[call-overload]
     nodes = []
     for node, nid in enumerate(placement.node_ids):
         strategy = NodeAffinitySchedulingStrategy(node_id=nid, soft=False)

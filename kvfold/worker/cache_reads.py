@@ -46,7 +46,7 @@ class CacheReads:
 
     @property
     def storage(self) -> KVStorage:
-        """The K/V bytes (waits for them while a rank still builds them)."""
+        """The K/V bytes (built now if they were left for their first use)."""
         return self.storage_holder.get()
 
     def committed(self, window: Window) -> int:

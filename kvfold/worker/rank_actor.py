@@ -123,7 +123,7 @@ class RankWorker(RankCalls):
             "ray_node_id": ctx.get_node_id(),
             "incarnation": self.incarnation,
             "seq": self.reports.seq,
-            "device": str(self.cache.storage.device) if self.cache else None,  # waits for it
+            "device": self._device(),
             "bound": self.cache is not None,
             "reports_sent": self.reports.sent,
             "report_verdicts": dict(self.reports.verdicts),
@@ -134,6 +134,15 @@ class RankWorker(RankCalls):
             "event_batches_failed": self.events.failed,
             **self._host_failures(),
         }
+
+    def _device(self) -> str | None:
+        """Where the K/V bytes are (or will be: CPU storage not built yet is not built here)."""
+        cache = self.cache
+        if cache is None:
+            return None
+        if not cache.storage_holder.built and storage_on_cpu(cache.config):
+            return "cpu"
+        return str(cache.storage.device)
 
     def _host_failures(self) -> dict[str, int]:
         link = self.cache.host if self.cache is not None else None

@@ -121,7 +121,7 @@ class RankCalls:
     def write_kv(
         self, seq_id: SeqId, layer: int, positions: list[int], k: np.ndarray, v: np.ndarray
     ) -> None:
-        import torch  # loaded already by the cache's storage
+        import torch  # here, not at import: a CPU rank starts without it
 
         with self.lock:
             self._cache().write_kv(

@@ -2,7 +2,7 @@
 
 A rank on a GPU builds its storage before it reports (the capacity it reports is
 memory it holds, as vLLM reserves its KV cache at start). A rank whose storage is on
-the CPU (no NVIDIA device here: the embedded cluster's simulated nodes) builds it at
+the CPU (no GPU device here: the embedded cluster's simulated nodes) builds it at
 first use, so ten starting ranks do not each load torch before they are fresh
 (docs/decisions.md). `get()` builds under a lock: one build, whoever asks first.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from kvfold.devices import nvidia_present
+from kvfold.devices import gpu_device_present
 from kvfold.worker.config import KVCacheConfig
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def storage_on_cpu(config: KVCacheConfig) -> bool:
     """Whether `config`'s storage will be on the CPU, known without loading torch."""
-    return config.device == "cpu" or (config.device == "auto" and not nvidia_present())
+    return config.device == "cpu" or (config.device == "auto" and not gpu_device_present())
 
 
 class StorageHolder:

@@ -59,11 +59,13 @@ class _Rank:
     held: deque[int] = field(default_factory=deque)  # keys, oldest first
     held_set: set[int] = field(default_factory=set)
     next_key: int = 0
+    key_base: int = 0  # the rank's own keys: (rank << 32) | a counter
 
 
 @dataclass(frozen=True)
 class LoadShape:
-    """events_per_rank_s: blocks stored plus blocks removed, per rank per second."""
+    """events_per_rank_s: block events per rank per second, each block stored or removed
+    counted as one (a BlockStored of 8 blocks is 8), as the fleet's rates are stated."""
 
     ranks_per_node: int = 8
     blocks_per_rank: int = 4096
@@ -94,7 +96,7 @@ class FleetSlice:
         self.rng = random.Random(seed)
         self.node_incarnation = {n: secrets.randbits(62) | 1 for n in nodes}
         self.node_seq = dict.fromkeys(nodes, 0)
-        self.ranks = {r: _Rank() for n in nodes for r in self.topology.ranks_on(n)}
+        self.ranks = {r: _Rank(key_base=r << 32) for n in nodes for r in self.topology.ranks_on(n)}
         self._debt = 0.0  # events owed per rank, carried between ticks
 
     def restart_node(self, node: int) -> None:
@@ -102,7 +104,7 @@ class FleetSlice:
         self.node_incarnation[node] = secrets.randbits(62) | 1
         self.node_seq[node] = 0
         for r in self.topology.ranks_on(node):
-            self.ranks[r] = _Rank()
+            self.ranks[r] = _Rank(key_base=r << 32)
 
     def tick(self, interval_s: float, now_unix_s: float) -> list[tuple[int, bytes, list[bytes]]]:
         """One interval: per node, (node, its report, its ranks' event envelopes)."""
@@ -151,7 +153,7 @@ class FleetSlice:
                 keys = [SHARED_TAG | (p << 16) | i for i in range(n)]
                 keys = [k for k in keys if k not in rank.held_set]
             else:
-                keys = [(id(rank) & 0xFFFFFF) << 32 | (rank.next_key + i) for i in range(n)]
+                keys = [rank.key_base | (rank.next_key + i) for i in range(n)]
                 rank.next_key += n
             if keys:
                 events.append(self._stored(rank, keys, None))
