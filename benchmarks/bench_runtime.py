@@ -45,6 +45,9 @@ def main() -> None:
         t_launch = time.perf_counter() - t1
         info("start the embedded cluster (3 nodes)", t_cluster, "s")
         info("launch world 10 until every rank is fresh", t_launch, "s")
+        for phase, secs in kv.launch_phases.items():
+            info(f"  of which {phase}", secs, "s")
+        report("up in: the cluster started and every rank fresh", t_cluster + t_launch, "s", 15.0)
         interval = kv.settings.report_interval_s
 
         trivial = ray.remote(Trivial).options(num_cpus=0).remote()
