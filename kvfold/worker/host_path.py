@@ -66,6 +66,8 @@ class HostLink:
             self.fetch_failures += 1
             log.warning("host tier fetch failed, computing instead: %s: %s", type(e).__name__, e)
             return []
+        if not payloads:  # nothing to copy in: the bytes need not exist yet (storage_holder)
+            return []
         nbytes = self.storage().block_nbytes(window)
         out: list[np.ndarray] = []
         for p in payloads[: len(keys)]:
