@@ -19,21 +19,19 @@ from ray.exceptions import RayError
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
 from kvfold.aggregator.cluster_state import ClusterState
+from kvfold.aggregator.index_calls_actor import IndexCalls
 from kvfold.aggregator.receiver import ACCEPTED
 from kvfold.aggregator.view_delta import ViewSender
-from kvfold.blockindex.events import RANK, BlockHash, EventError, decode_envelope
 from kvfold.blockindex.feed import IndexFeed
 from kvfold.blockindex.index import BlockIndex
-from kvfold.blockindex.liveness import sources_gone
 from kvfold.checks import is_int
 from kvfold.errors import ReportError
-from kvfold.naming import node_actor_name, rank_actor_name
+from kvfold.naming import node_actor_name
 from kvfold.ray_actor import (
     BackgroundLoop,
     Every,
     gone_among,
     incarnation_of,
-    named_actor,
     silent,
 )
 from kvfold.stats import Window
@@ -41,12 +39,10 @@ from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
 
 VERIFY_TIMEOUT_S = 2.0  # how long a node actor may take to confirm its incarnation
-SNAPSHOT_TIMEOUT_S = 5.0  # how long a source may take to hand over its keys
 CARRY_KEY = b"kvfold:carried-counters"  # in Ray's internal KV, per kvfold namespace
-MAX_BATCHES_PER_PUSH = 4096  # a node's ranks' batches in one push; the rest are refused
 
 
-class ClusterAggregator:
+class ClusterAggregator(IndexCalls):
     def __init__(
         self,
         rank_to_node: list[int],
@@ -172,18 +168,14 @@ class ClusterAggregator:
         its last push, in one call (the node actor coalesces them): the report's verdict
         and each batch's. A lost push is a gap in each source's batches, and resyncs."""
         verdict = self._node_report(report)
-        answers = [self._ingest(data) for data in envelopes[:MAX_BATCHES_PER_PUSH]]
-        answers += ["refused"] * len(envelopes[MAX_BATCHES_PER_PUSH:])
-        self.events_refused += len(envelopes[MAX_BATCHES_PER_PUSH:])
-        return verdict, answers
+        return verdict, self._ingest_all(envelopes)
 
     @ray.method(concurrency_group="reports")
     def rack_push(self, reports: list[bytes], batches: list[bytes]) -> int:
         """A rack's node pushes since its last (kvfold.aggregator.rack_actor), in the
         order they came: how many of the reports were accepted."""
         accepted = sum(self._node_report(r) == ACCEPTED for r in reports)
-        for data in batches:
-            self._ingest(data)
+        self._ingest_all(batches)
         return accepted
 
     def _verify_node(self, node: int, incarnation: int) -> bool:
@@ -258,98 +250,6 @@ class ClusterAggregator:
                     return None
                 self.cond.wait(min(left, self.report_interval_s))
             return self._view_bytes() if position is None else self._delta(position)
-
-    # ------------------------------------------------------------ block index
-
-    @ray.method(concurrency_group="events")
-    def block_events(self, data: bytes) -> str:
-        """One source's batch of block events (kvfold.blockindex.events): what became of
-        it ("applied", "kept", "duplicate", ...), or "refused" (counted)."""
-        return self._ingest(data)
-
-    def _ingest(self, data: bytes) -> str:
-        try:
-            env = decode_envelope(data)
-            with self.blocks_lock:
-                return self.blocks.ingest(env)
-        except (EventError, ValueError) as e:
-            self.events_refused += 1
-            self.events_error = str(e)[:300]
-            return "refused"
-
-    def block_index_since(self, cursor: tuple[int, int]) -> bytes:
-        """For a replica at `cursor`: (cursor now, ops after it, False), or (cursor now,
-        ops that rebuild the index from empty, True) when the log no longer reaches back.
-        Pickled: one trusted kvfold process to another, like the view."""
-        with self.blocks_lock:
-            now, ops = self.blocks.since(tuple(cursor))  # type: ignore[arg-type]
-            whole = ops is None
-            if ops is None:
-                now, ops = self.blocks.snapshot_ops()
-            return pickle.dumps((now, ops, whole), protocol=pickle.HIGHEST_PROTOCOL)
-
-    def block_index_counts(self) -> dict[str, Any]:
-        with self.blocks_lock:
-            idx = self.blocks.index
-            return {
-                **self.blocks.counts,
-                "refused": self.events_refused,
-                "last_error": self.events_error,
-                "entries": idx.num_entries,
-                "sources": len(idx.sources()),
-                "out_of_sync": [list(s) for s in self.blocks.wanted()],
-                "ops": self.blocks.num_ops,
-            }
-
-    def block_keys(self, kind: str, source: int) -> dict[int, list[BlockHash]]:
-        """What the index holds for one source, per window group (for checks)."""
-        with self.blocks_lock:
-            return {g: list(ks) for g, ks in self.blocks.index.keys_of((kind, source)).items()}
-
-    def _resync(self) -> None:
-        """Drop from the index every source the view holds not alive (kvfold.blockindex.
-        liveness); ask out-of-sync sources for their keys."""
-        with self.cond:
-            view = self._refresh()
-            node_incarnations = dict(self.state.incarnations)
-        with self.blocks_lock:
-            feed = self.blocks
-            sources = set(feed.streams) | set(feed.index.held)
-            gone = sources_gone(
-                view, node_incarnations, sources, {s: feed.life(s) for s in sources}
-            )
-            for source in gone:
-                feed.drop(source)
-            wanted = feed.wanted()
-        self._collect_snapshots(wanted)
-
-    def _collect_snapshots(self, wanted: list[tuple[str, int]]) -> None:
-        """Install the snapshots that came since the last tick, and ask the sources still
-        out of sync that have no question pending (again after SNAPSHOT_TIMEOUT_S).
-        Never waits: the next tick's drops must not wait on a slow source."""
-        now = time.monotonic()
-        if self._asked:
-            refs = [ref for ref, _ in self._asked.values()]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            done = set(ready)
-            for source, (ref, asked_at) in list(self._asked.items()):
-                if ref in done:
-                    del self._asked[source]
-                    try:
-                        snap = ray.get(ref)
-                    except ray.exceptions.RayError:
-                        continue
-                    with self.blocks_lock:  # each as it comes: fewer batches kept aside
-                        self.blocks.install(snap)
-                elif now - asked_at > SNAPSHOT_TIMEOUT_S:
-                    del self._asked[source]  # asked again below
-        for kind, i in wanted:
-            if (kind, i) in self._asked:
-                continue
-            name = rank_actor_name(i) if kind == RANK else node_actor_name(i)
-            actor = named_actor(name, self.namespace)
-            if actor is not None:
-                self._asked[(kind, i)] = (actor.block_snapshot.remote(), now)
 
     def cpu_seconds(self) -> float:
         """CPU time this process has used, user and system (for the load harness)."""
