@@ -11,7 +11,8 @@ engines, four ways in one run, judged by the engines' own counters and the clien
 Per arm, from the engines: prompt tokens served from cache (`vllm:prefix_cache_hits`) and
 preemptions (`vllm:num_preemptions`), as deltas over the arm; from the client: time to first
 token (the first streamed chunk carrying text) and end-to-end latency, requests answered,
-refused (429) and failed. Every arm starts from empty engine caches (POST
+refused (429) and failed; for the front door's arms, the part of each request's wait spent
+in kvfold's queue (its `x-kvfold-waited-ms` header). Every arm starts from empty engine caches (POST
 /reset_prefix_cache) and idle engines.
 
     run_bench(...)  -> list of rows (one per arm); write_outputs(rows, out_dir)
@@ -45,6 +46,8 @@ COLUMNS = (
     "ttft_p50_ms",
     "ttft_p90_ms",
     "ttft_p99_ms",
+    "door_wait_p50_ms",
+    "door_wait_p90_ms",
     "e2e_p50_ms",
     "e2e_p90_ms",
     "wall_s",
@@ -56,6 +59,7 @@ class Outcome:
     status: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
+    door_wait_s: float | None = None  # in kvfold's queue, as the front door said (a header)
     error: str = ""
 
 
@@ -132,6 +136,9 @@ async def replay_http(
             try:
                 async with session.post(target(i) + "/v1/completions", json=body) as resp:
                     o.status = resp.status
+                    waited = resp.headers.get("x-kvfold-waited-ms")
+                    if waited is not None:
+                        o.door_wait_s = float(waited) / 1e3
                     if resp.status != 200:
                         o.error = (await resp.read())[:200].decode(errors="replace")
                         return
@@ -167,6 +174,7 @@ def summarize(
     done = [o for o in outcomes if o.status == 200 and not o.error and o.e2e_s is not None]
     ttft = [o.ttft_s for o in done if o.ttft_s is not None]
     e2e = [o.e2e_s for o in done if o.e2e_s is not None]
+    wait = [o.door_wait_s for o in done if o.door_wait_s is not None]
     prompt_tokens = sum(len(r.prompt) for r in requests)
     cached = after.cached_tokens - before.cached_tokens
 
@@ -186,6 +194,8 @@ def summarize(
         "ttft_p50_ms": ms(_pct(ttft, 0.5)),
         "ttft_p90_ms": ms(_pct(ttft, 0.9)),
         "ttft_p99_ms": ms(_pct(ttft, 0.99)),
+        "door_wait_p50_ms": ms(_pct(wait, 0.5)),
+        "door_wait_p90_ms": ms(_pct(wait, 0.9)),
         "e2e_p50_ms": ms(_pct(e2e, 0.5)),
         "e2e_p90_ms": ms(_pct(e2e, 0.9)),
         "wall_s": round(wall_s, 1),
