@@ -25,8 +25,9 @@ from kvfold.serving.forward import (
     new_session,
     open_stream,
     post_json,
-    sse_error,
+    relayed,
 )
+from kvfold.serving.settings import STREAM_INTERVAL_S
 
 keep_replica_grpc_on_node_address()  # imported with the deployment, before its replica serves
 
@@ -36,7 +37,9 @@ engine_app = FastAPI(title="engines as Serve replicas")
 @serve.deployment(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(engine_app)
 class EngineReplica:
-    def __init__(self, engine_urls: list[str]) -> None:
+    def __init__(
+        self, engine_urls: list[str], stream_interval_s: float = STREAM_INTERVAL_S
+    ) -> None:
         rank: Any = serve.get_replica_context().rank  # a ReplicaRank (an int before Ray 2.50)
         self.rank = int(getattr(rank, "rank", rank))
         if not 0 <= self.rank < len(engine_urls):
@@ -45,6 +48,7 @@ class EngineReplica:
                 "per engine (num_replicas = len(engine_urls))"
             )
         self.url = engine_urls[self.rank]
+        self.stream_interval_s = stream_interval_s
         self._session: Any = None
 
     def _http(self) -> Any:
@@ -88,25 +92,20 @@ class EngineReplica:
         if stream.status != 200:
             return Response(await stream.body(), stream.status, headers=stream.headers)
 
-        async def passed_on() -> Any:
-            try:
-                async for chunk in stream.chunks():
-                    yield chunk
-            except EngineFailed as e:
-                yield sse_error(str(e), "engine_failed", 502)
-            finally:
-                stream.close()
-
-        return StreamingResponse(passed_on(), media_type="text/event-stream")
+        chunks = relayed(stream, self.stream_interval_s)
+        return StreamingResponse(chunks, media_type="text/event-stream")
 
 
-def engine_deployment(engine_urls: list[str], router_config: Any = None) -> Any:
+def engine_deployment(
+    engine_urls: list[str], router_config: Any = None, stream_interval_s: float = STREAM_INTERVAL_S
+) -> Any:
     """EngineReplica bound to `engine_urls`, one replica per engine; `router_config`: a
-    ray.serve.config.RequestRouterConfig (None: Serve's default router)."""
+    ray.serve.config.RequestRouterConfig (None: Serve's default router); streams passed on
+    as the front door passes them (kvfold.serving.forward.coalesced)."""
     options: dict[str, Any] = {"num_replicas": len(engine_urls)}
     if router_config is not None:
         options["request_router_config"] = router_config
-    return EngineReplica.options(**options).bind(list(engine_urls))  # type: ignore[attr-defined]
+    return EngineReplica.options(**options).bind(list(engine_urls), stream_interval_s)  # type: ignore[attr-defined]
 
 
 __all__ = ["EngineReplica", "engine_deployment"]

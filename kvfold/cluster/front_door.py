@@ -23,7 +23,7 @@ import logging
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ from kvfold.serving.forward import (
     new_session,
     open_stream,
     post_json,
-    sse_error,
+    relayed,
 )
 from kvfold.serving.openai_body import BadRequest, OpenAIRequest, parse_chat, parse_completion
 from kvfold.serving.prompt_tokens import PromptTokenizer
@@ -221,18 +221,9 @@ class FrontDoor:
             self._release(rid)
             return Response(data, stream.status, headers=_kvfold(stream.headers, admitted))
 
-        async def passed_on() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in stream.chunks():
-                    yield chunk
-            except EngineFailed as e:
-                yield sse_error(str(e), "engine_failed", 502)
-            finally:  # the end, a failure, or the client went away (the generator is closed)
-                stream.close()
-                self._release(rid)
-
+        chunks = relayed(stream, self.settings.stream_interval_s, lambda: self._release(rid))
         return StreamingResponse(
-            passed_on(), status_code=200, headers=_kvfold(stream.headers, admitted),
+            chunks, status_code=200, headers=_kvfold(stream.headers, admitted),
             media_type=stream.headers.get("Content-Type", "text/event-stream"),
         )  # fmt: skip
 

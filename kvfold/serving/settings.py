@@ -16,6 +16,9 @@ from kvfold.naming import PREFIX
 from kvfold.serving.door_admission import POLICIES, PRECISE_PREFIX
 
 DOOR_ACTOR_NAME = f"{PREFIX}door"
+# A stream's tokens after its first are passed on together every this many seconds (one
+# pass through Serve's proxy each), as Ray Serve LLM batches its streams (50 ms default).
+STREAM_INTERVAL_S = 0.05
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -41,6 +44,7 @@ class FrontDoorSettings:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     retry_unstreamed: bool = True  # an engine failing before a byte was sent: try another
+    stream_interval_s: float = STREAM_INTERVAL_S  # 0: every chunk passed on as it comes
 
     def __post_init__(self) -> None:
         if not self.engine_urls:
@@ -82,6 +86,11 @@ class FrontDoorSettings:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}={value!r}: allowed: a number > 0")
+        if not isinstance(self.stream_interval_s, (int, float)) or not self.stream_interval_s >= 0:
+            raise ValueError(
+                f"stream_interval_s={self.stream_interval_s!r}: allowed: a number >= 0 "
+                "(0: every chunk as it comes)"
+            )
         if not self.prefix_weight >= 0:
             raise ValueError(f"prefix_weight={self.prefix_weight!r}: allowed: >= 0")
         if not 0 < self.http_port <= 65535:
@@ -98,4 +107,4 @@ class FrontDoorSettings:
         return self.http_host in LOOPBACK_HOSTS
 
 
-__all__ = ["DOOR_ACTOR_NAME", "FrontDoorSettings"]
+__all__ = ["DOOR_ACTOR_NAME", "STREAM_INTERVAL_S", "FrontDoorSettings"]
