@@ -113,7 +113,8 @@ class EngineRankActor:
 
     def _scrape(self) -> None:
         try:
-            with urllib.request.urlopen(self.endpoints.metrics, timeout=METRICS_TIMEOUT_S) as r:
+            url = self.kind.numbers_url(self.endpoints.metrics)
+            with urllib.request.urlopen(url, timeout=METRICS_TIMEOUT_S) as r:
                 text = r.read(16 * 1024 * 1024).decode("utf-8", "replace")
             numbers = self.kind.read_numbers(text, self.endpoints, self.numbers)
             self._notice_restart(numbers)

@@ -35,7 +35,7 @@ from kvfold.engines.engine_numbers import (
 from kvfold.engines.engine_source import EngineSource
 from kvfold.engines.sglang_metrics import parse_sglang_metrics
 from kvfold.engines.trtllm_stats import parse_trtllm_iterations
-from kvfold.engines.vllm_metrics import MetricsError, parse_vllm_metrics
+from kvfold.engines.vllm_metrics import METRICS_QUERY, MetricsError, parse_vllm_metrics
 
 TakeLive = Callable[[EngineSource, list[bytes], float], list[Event]]
 TakeReplay = Callable[[EngineSource, Iterable[list[bytes]], float], list[Event]]
@@ -50,6 +50,11 @@ class EngineKind:
     take_live: TakeLive | None
     take_replay: TakeReplay | None
     read_numbers: ReadNumbers
+    numbers_query: str = ""  # added to the numbers page's URL (one without a query of its own)
+
+    def numbers_url(self, url: str) -> str:
+        """Where to read the numbers page: `url`, asking only for what is read of it."""
+        return url if "?" in url else url + self.numbers_query
 
 
 def engine_kind(name: str) -> EngineKind:
@@ -95,7 +100,7 @@ def _trtllm_numbers(page: str, e: EngineEndpoints, previous: EngineNumbers | Non
 
 
 KINDS: dict[str, EngineKind] = {
-    "vllm": EngineKind("vllm", True, _vllm_live, _vllm_replay, _vllm_numbers),
+    "vllm": EngineKind("vllm", True, _vllm_live, _vllm_replay, _vllm_numbers, METRICS_QUERY),
     "sglang": EngineKind(
         "sglang", True, sglang_wire.take_live, sglang_wire.take_replay, _sglang_numbers
     ),

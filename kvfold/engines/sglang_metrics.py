@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvfold.engines.prom_lines import wanted_lines
 from kvfold.engines.vllm_metrics import MAX_PAGE_BYTES, MetricsError
 
 
@@ -72,6 +73,7 @@ _FIELDS = {
     "sglang:page_size": "page_size",
 }
 _RATIOS = ("token_usage", "cache_hit_rate")
+FAMILIES = ("process_start_time_seconds", *_FIELDS)
 
 
 def parse_sglang_metrics(text: str) -> dict[str, SGLangMetrics]:
@@ -80,10 +82,13 @@ def parse_sglang_metrics(text: str) -> dict[str, SGLangMetrics]:
         raise MetricsError(f"a metrics page is text, got {type(text).__name__}")
     if len(text) > MAX_PAGE_BYTES:
         raise MetricsError(f"metrics page of {len(text)} characters > {MAX_PAGE_BYTES}")
+    wanted, lines = wanted_lines(text, FAMILIES)
+    if lines and not wanted.strip():
+        raise MetricsError(f"no SGLang KV-cache metric on the page; it begins {text[:120]!r}")
     found: dict[str, dict[str, float]] = {}
     started: float | None = None
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(wanted):
             for s in family.samples:
                 if s.name == "process_start_time_seconds":
                     started = float(s.value)

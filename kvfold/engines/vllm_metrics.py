@@ -2,7 +2,8 @@
 
     parse_vllm_metrics(text) -> {engine label: VLLMMetrics}
 
-Read with prometheus_client's own parser, as Prometheus would read it:
+Read with prometheus_client's own parser, as Prometheus would read it, over the lines of
+these families only (kvfold.engines.prom_lines; METRICS_QUERY asks the server for them):
 
     vllm:cache_config_info{num_gpu_blocks, block_size}   total blocks, tokens per block
     vllm:kv_cache_usage_perc                             the share of blocks running
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvfold.engines.prom_lines import families_query, wanted_lines
 from kvfold.errors import KVFoldError
 
 MAX_PAGE_BYTES = 8 * 1024 * 1024
@@ -76,26 +78,35 @@ _COUNTERS = {  # sample names as the parser gives them (counters end in _total)
 }
 
 
+_INFO = "vllm:cache_config_info"
+_STARTED = "process_start_time_seconds"
+FAMILIES = (_INFO, _STARTED, *_GAUGES, *(name.removesuffix("_total") for name in _COUNTERS))
+METRICS_QUERY = families_query((_INFO, _STARTED, *_GAUGES, *_COUNTERS))
+
+
 def parse_vllm_metrics(text: str) -> dict[str, VLLMMetrics]:
     """Every engine on the page (by its `engine` label, "" when unlabelled)."""
     if not isinstance(text, str):
         raise MetricsError(f"a metrics page is text, got {type(text).__name__}")
     if len(text) > MAX_PAGE_BYTES:
         raise MetricsError(f"metrics page of {len(text)} characters > {MAX_PAGE_BYTES}")
+    wanted, lines = wanted_lines(text, FAMILIES)
+    if lines and not wanted.strip():
+        raise MetricsError(f"no vLLM KV-cache metric on the page; it begins {text[:120]!r}")
     found: dict[str, dict[str, float | int]] = {}
     started: float | None = None
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(wanted):
             for s in family.samples:
                 engine = str(s.labels.get("engine", ""))
-                if s.name == "vllm:cache_config_info":
+                if s.name == _INFO:
                     fields = found.setdefault(engine, {})
                     for label in ("num_gpu_blocks", "block_size"):
                         text_value = s.labels.get(label)
                         if text_value is not None and text_value.isdigit():
                             fields[label] = int(text_value)
                     continue
-                if s.name == "process_start_time_seconds":
+                if s.name == _STARTED:
                     started = float(s.value)
                     continue
                 field_name = _GAUGES.get(s.name) or _COUNTERS.get(s.name)
@@ -132,4 +143,4 @@ def _int(value: float | int | None) -> int | None:
     return None if value is None else int(value)
 
 
-__all__ = ["MetricsError", "VLLMMetrics", "parse_vllm_metrics"]
+__all__ = ["FAMILIES", "METRICS_QUERY", "MetricsError", "VLLMMetrics", "parse_vllm_metrics"]

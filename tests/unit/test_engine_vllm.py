@@ -333,6 +333,44 @@ def test_the_metrics_page_gives_what_the_engine_publishes() -> None:
     assert m.num_preemptions == 0 and m.kv_cache_usage == 0.0 and m.num_blocks_used == 0
 
 
+@pytest.mark.parametrize("page", ["metrics_after.txt", "metrics_after_reset.txt"])
+def test_reading_only_the_wanted_families_gives_what_the_whole_page_gives(page: str) -> None:
+    from urllib.parse import parse_qs
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvfold.engines.vllm_metrics import METRICS_QUERY
+
+    text = (REAL / page).read_text()
+    whole = {  # every sample of the whole page, parsed whole (the reader before the filter)
+        s.name: s for f in text_string_to_metric_families(text) for s in f.samples
+    }
+    m = parse_vllm_metrics(text)["0"]
+    info = whole["vllm:cache_config_info"].labels
+    assert (m.num_gpu_blocks, m.block_size) == (
+        int(info["num_gpu_blocks"]),
+        int(info["block_size"]),
+    )
+    for name, value in (
+        ("vllm:kv_cache_usage_perc", m.kv_cache_usage),
+        ("vllm:num_requests_running", m.num_requests_running),
+        ("vllm:num_requests_waiting", m.num_requests_waiting),
+        ("vllm:prefix_cache_queries_total", m.prefix_cache_queries_tokens),
+        ("vllm:prefix_cache_hits_total", m.prefix_cache_hits_tokens),
+        ("vllm:num_preemptions_total", m.num_preemptions),
+        ("process_start_time_seconds", m.process_start_time_s),
+    ):
+        assert value == whole[name].value, name
+    # the query asks the server for exactly those samples
+    asked = parse_qs(METRICS_QUERY.removeprefix("?"))["name[]"]
+    assert sorted(asked) == sorted(
+        ["vllm:cache_config_info", "process_start_time_seconds", "vllm:kv_cache_usage_perc",
+         "vllm:num_requests_running", "vllm:num_requests_waiting",
+         "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+         "vllm:num_preemptions_total"]
+    )  # fmt: skip
+
+
 def test_a_metric_the_page_lacks_is_unknown_not_zero() -> None:
     m = parse_vllm_metrics('vllm:num_requests_running{engine="0"} 2\n')["0"]
     assert m.num_requests_running == 2
