@@ -39,6 +39,11 @@ FAST_HEALTH_CHECKS = {
 # Ray starts num_cpus idle workers per node ahead of use; kvfold's actors are few and
 # num_cpus=0, and on two cores those idle starts only delay the ones launch waits for
 NO_PRESTART = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+# Ray starts its workers at nice 15 (worker_niceness): below every process started beside
+# them. kvfold's actors and Ray Serve's proxy and replicas are on the path of requests to
+# engines that run outside Ray on the same cores; at nice 15 they wait behind the engines
+# (the front door's time to first token was several times round robin's from that alone).
+SAME_PRIORITY = {"worker_niceness": 0}
 
 
 class LocalCluster:
@@ -89,6 +94,7 @@ class LocalCluster:
         head = {**node_args(0), "include_dashboard": False}
         head["_system_config"] = {
             **NO_PRESTART,
+            **SAME_PRIORITY,
             **(FAST_HEALTH_CHECKS if fast_health_checks else {}),
         }
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
