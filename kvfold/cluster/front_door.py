@@ -33,7 +33,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from kvfold.cluster.serve_loopback import keep_replica_grpc_on_node_address
-from kvfold.serving.door_actor import Admitted, DoorActor, NotAdmitted, get_door, start_door
+from kvfold.serving.door_actor import DoorActor, get_door, start_door
+from kvfold.serving.door_answers import Admitted, NotAdmitted
 from kvfold.serving.forward import (
     EngineFailed,
     error_body,
@@ -84,6 +85,12 @@ class DoorOf:
             return await self.local.admit(*args)
         answer: Admitted | NotAdmitted = await self.actor.admit.remote(*args)
         return answer
+
+    def started(self, request_id: str) -> None:
+        if self.local is not None:
+            self.local.started_now(request_id)
+        else:
+            self.actor.started.remote(request_id)  # answered in order, before the release
 
     def release(self, request_id: str) -> None:
         if self.local is not None:
@@ -221,7 +228,10 @@ class FrontDoor:
             self._release(rid)
             return Response(data, stream.status, headers=_kvfold(stream.headers, admitted))
 
-        chunks = relayed(stream, self.settings.stream_interval_s, lambda: self._release(rid))
+        chunks = relayed(
+            stream, self.settings.stream_interval_s,
+            on_end=lambda: self._release(rid), on_first=lambda: self.door.started(rid),
+        )  # fmt: skip
         return StreamingResponse(
             chunks, status_code=200, headers=_kvfold(stream.headers, admitted),
             media_type=stream.headers.get("Content-Type", "text/event-stream"),

@@ -26,7 +26,8 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvfold.errors import KVFoldError
-from kvfold.serving.door_actor import Admitted, NotAdmitted, get_door
+from kvfold.serving.door_actor import get_door
+from kvfold.serving.door_answers import Admitted, NotAdmitted
 from kvfold.serving.openai_body import BadRequest, OpenAIRequest, parse_chat, parse_completion
 
 log = logging.getLogger("kvfold")

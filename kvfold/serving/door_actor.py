@@ -5,6 +5,7 @@ the engines as one controller would: a promise is made in one place, in order.
 
     DoorActor            the shell: follows the view and the block index, wraps DoorAdmission
       admit(...)         -> Admitted (where to send it), once it fits; else NotAdmitted (why)
+      started(id)        its first token came back: its engine has prefilled it
       release(id)        the request ended (finished, failed, or its client went away)
       stats()            commitments, queue, counts, the cross-check against engine gauges
       committed_between  the most committed on an engine over a time span (for checks)
@@ -24,14 +25,13 @@ import pickle
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import ray
 
 from kvfold.aggregator.view_delta import ViewReader
 from kvfold.blockindex.feed import Replica
-from kvfold.errors import KVFoldError
 from kvfold.naming import AGGREGATOR_NAME
 from kvfold.serving.door_admission import (
     DoorAdmission,
@@ -41,6 +41,7 @@ from kvfold.serving.door_admission import (
     Refused,
     blocks_needed,
 )
+from kvfold.serving.door_answers import Admitted, NotAdmitted, QueueRefused, QueueTimeout
 from kvfold.serving.door_view import CommittedLog, block_sizes, engine_states
 from kvfold.serving.settings import DOOR_ACTOR_NAME, FrontDoorSettings
 from kvfold.view import ClusterView
@@ -50,51 +51,6 @@ log = logging.getLogger("kvfold")
 
 CROSS_CHECK_LOOKBACK_S = 2.0  # a gauge is compared with the most committed this far back
 RELEASED_MEMORY = 10_000  # ids released before their admit arrived, refused if it does
-
-
-class QueueRefused(KVFoldError, RuntimeError):  # inside the actor; callers get NotAdmitted
-    """Not queued: `reason` is exceeds_engine_capacity, prompt_too_long, queue_full,
-    duplicate_request_id or released (its release came first)."""
-
-    def __init__(self, reason: str, message: str, retry_after_s: float | None = None) -> None:
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-        super().__init__(f"{reason}: {message}")
-
-
-class QueueTimeout(KVFoldError, TimeoutError):  # inside the actor; callers get NotAdmitted
-    """It waited in kvfold's queue for its whole deadline without fitting an engine."""
-
-    def __init__(self, waited_s: float, retry_after_s: float) -> None:
-        self.waited_s = waited_s
-        self.retry_after_s = retry_after_s
-        super().__init__(f"no engine had room within {waited_s:.1f} s")
-
-
-@dataclass(frozen=True, slots=True)
-class NotAdmitted:
-    """Why a request was not admitted. `reason`: queue_full and queue_timeout (HTTP 429,
-    retry after `retry_after_s`), exceeds_engine_capacity and prompt_too_long (400),
-    engines_unknown (503), released (its own release came first), duplicate_request_id."""
-
-    reason: str
-    message: str
-    retry_after_s: float | None = None
-
-    @property
-    def http_status(self) -> int:
-        return {"queue_full": 429, "queue_timeout": 429, "engines_unknown": 503,
-                "released": 499}.get(self.reason, 400)  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    rank: int
-    url: str
-    need_blocks: int
-    held_blocks: int
-    waited_s: float
-    view_version: int
 
 
 class DoorActor:
@@ -210,6 +166,15 @@ class DoorActor:
             version,
         )
 
+    async def started(self, request_id: str) -> bool:
+        """The request's first token came back (its engine prefilled it): its prefill no
+        longer counts against that engine. False when it is not running here."""
+        return self.started_now(request_id)
+
+    def started_now(self, request_id: str) -> bool:
+        """started(), called in the door's own event loop."""
+        return self.adm.started(request_id)
+
     async def release(self, request_id: str) -> int | None:
         """The request ended; its blocks are free again. Returns its engine (None: it held
         none, or was still queued). Idempotent."""
@@ -233,6 +198,7 @@ class DoorActor:
                 "url": self.settings.engine_urls[r],
                 "committed_blocks": self.adm.committed(r),
                 "running": self.adm.running(r),
+                "prefilling_blocks": self.adm.prefilling(r),
                 "above_committed": self.above_committed.get(r, 0),
             }
         return {
@@ -390,10 +356,4 @@ def get_door(namespace: str) -> Any:
     return ray.get_actor(DOOR_ACTOR_NAME, namespace=namespace)
 
 
-__all__ = [
-    "Admitted",
-    "DoorActor",
-    "NotAdmitted",
-    "get_door",
-    "start_door",
-]
+__all__ = ["DoorActor", "get_door", "start_door"]

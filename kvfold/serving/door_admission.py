@@ -20,8 +20,11 @@ one, as in vLLM's and TensorRT-LLM's FCFS schedulers), bounded (`QueueFull` beyo
 
 Routing, among the live engines where the request fits:
   precise_prefix  least cost, cost = prefix_weight x (prompt blocks the engine does not
-                  hold, by the block index) + its committed blocks: Dynamo's KV router
-                  scores the same two things (blocks to prefill, blocks active)
+                  hold, by the block index, + blocks it still has to prefill for requests
+                  sent there whose first token has not come back) + its committed blocks:
+                  Dynamo's KV router scores the same things (prefill blocks, the new
+                  request's and the worker's active ones, and decode blocks), and marks a
+                  request's prefill done at its first token as `started()` does here
   least_loaded    least committed fraction of capacity
 Ties go to the lower rank.
 """
@@ -72,6 +75,7 @@ class Placement:
     need_blocks: int
     held_blocks: int  # of its prompt, on that engine by the index, when placed
     waited: bool  # it was queued first
+    prefill_blocks: int = 0  # of its prompt, to compute there: not held when placed
 
 
 HeldBlocks = Callable[[DoorRequest], Mapping[int, int]]
@@ -116,6 +120,8 @@ class DoorAdmission:
         self._running: dict[str, Placement] = {}  # sent, not seen finish
         self._committed: dict[int, int] = {}
         self._count: dict[int, int] = {}
+        self._prefilling: dict[int, int] = {}  # engine -> prefill blocks not yet started
+        self._not_started: set[str] = set()  # placed, first token not seen
         self._queue: OrderedDict[str, DoorRequest] = OrderedDict()
         self.placed = 0
         self.expired = 0
@@ -128,6 +134,11 @@ class DoorAdmission:
 
     def running(self, rank: int) -> int:
         return self._count.get(rank, 0)
+
+    def prefilling(self, rank: int) -> int:
+        """Prompt blocks the engine still has to compute for requests sent there whose
+        first token has not come back (a request not streamed counts until it ends)."""
+        return self._prefilling.get(rank, 0)
 
     @property
     def queued(self) -> int:
@@ -171,12 +182,23 @@ class DoorAdmission:
         self._queue[rid] = request
         return None
 
+    def started(self, request_id: str) -> bool:
+        """The request's first token came back: its engine has prefilled it. False when it
+        is not running here or was marked already."""
+        if request_id not in self._not_started:
+            return False
+        self._not_started.discard(request_id)
+        placed = self._running[request_id]
+        self._prefilling[placed.rank] -= placed.prefill_blocks
+        return True
+
     def release(self, request_id: str) -> tuple[int | None, list[Placement]]:
         """The request finished, failed, or its client went away: its blocks are free
         again. Returns the engine it held (None: it held none) and what of the queue now
         fits. A queued request is dropped from the queue."""
         if self._queue.pop(request_id, None) is not None:
             return None, self._drain()  # it may have been the head
+        self.started(request_id)
         placed = self._running.pop(request_id, None)
         if placed is None:
             return None, []
@@ -221,23 +243,31 @@ class DoorAdmission:
         if not fits:
             return None
         held = self._held_blocks(request) if self.policy == PRECISE_PREFIX else {}
+
+        def to_prefill(rank: int) -> int:
+            return max(request.prompt_blocks - held.get(rank, 0), 0)
+
         if self.policy == PRECISE_PREFIX:
             best = min(
                 fits,
                 key=lambda e: (
-                    self.prefix_weight * max(request.prompt_blocks - held.get(e.rank, 0), 0)
+                    self.prefix_weight * (to_prefill(e.rank) + self.prefilling(e.rank))
                     + self.committed(e.rank),
                     e.rank,
                 ),
             )
         else:
             best = min(fits, key=lambda e: (self.committed(e.rank) / e.capacity_blocks, e.rank))
+        rank = best.rank
         placed = Placement(
-            request.request_id, best.rank, request.need_blocks, held.get(best.rank, 0), waited
-        )
+            request.request_id, rank, request.need_blocks, held.get(rank, 0), waited,
+            to_prefill(rank),
+        )  # fmt: skip
         self._running[request.request_id] = placed
-        self._committed[best.rank] = self.committed(best.rank) + request.need_blocks
-        self._count[best.rank] = self.running(best.rank) + 1
+        self._committed[rank] = self.committed(rank) + request.need_blocks
+        self._count[rank] = self.running(rank) + 1
+        self._prefilling[rank] = self.prefilling(rank) + placed.prefill_blocks
+        self._not_started.add(request.request_id)
         self.placed += 1
         return placed
 

@@ -147,13 +147,20 @@ def _retrieved(task: asyncio.Task[None]) -> None:
 
 
 async def relayed(
-    stream: EngineStream, interval_s: float, on_end: Callable[[], None] | None = None
+    stream: EngineStream,
+    interval_s: float,
+    on_end: Callable[[], None] | None = None,
+    on_first: Callable[[], None] | None = None,
 ) -> AsyncIterator[bytes]:
     """The engine's stream as its client gets it: coalesced every `interval_s`, an engine
-    failure as a last error event naming the engine, and `on_end()` once it ends, fails or
-    the client goes away (the generator is closed)."""
+    failure as a last error event naming the engine, `on_first()` when its first bytes come
+    (an OpenAI server streams nothing before the first token: the prompt is prefilled),
+    and `on_end()` once it ends, fails or the client goes away (the generator is closed)."""
     try:
         async for chunk in coalesced(stream.chunks(), interval_s):
+            if on_first is not None:
+                on_first()
+                on_first = None
             yield chunk
     except EngineFailed as e:
         yield sse_error(str(e), "engine_failed", 502)

@@ -222,6 +222,7 @@ def test_through_kvfold_no_engine_preempts_where_round_robin_does(door: Door) ->
         lambda: (
             (s := door.app.stats())["queued"] == 0
             and all(e["committed_blocks"] == 0 for e in s["engines"].values())
+            and all(e["prefilling_blocks"] == 0 for e in s["engines"].values())
             and s
         ),
         timeout_s=30,
@@ -237,6 +238,23 @@ def test_openai_routes_pass_through_and_what_cannot_be_counted_is_refused(door: 
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     events = [e for e in data.decode().split("\n\n") if e.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 7  # a chunk per token, then DONE
+    # a stream's first token back: its engine has prefilled it, so its prompt no longer
+    # counts as prefill there; its blocks stay committed until the stream ends
+    body = {"model": "tiny-llama", "prompt": list(range(3, 200)), "max_tokens": 400,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    req = urllib.request.Request(
+        door.app.url + "/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=180) as r:
+        engine = int(r.headers["x-kvfold-engine"])
+        assert r.readline().startswith(b"data: {")  # the first token
+        mid = door.app.stats()["engines"][engine]
+        rest = r.read()
+    assert rest.rstrip().endswith(b"data: [DONE]")
+    assert mid["prefilling_blocks"] == 0
+    # still running when read: its blocks (197 + 400 tokens) still committed
+    assert mid["committed_blocks"] == int(r.headers["x-kvfold-committed-blocks"]) == 19
     models = json.loads(urllib.request.urlopen(door.app.url + "/v1/models").read())
     assert models["data"][0]["id"] == "tiny-llama"
     # every engine fresh again once the burst above has drained (a busy engine's /metrics

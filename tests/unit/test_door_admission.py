@@ -7,7 +7,8 @@ and deadlines.
 - the queue is strict FIFO (nothing is placed while an earlier request waits), bounded,
   and work-conserving (after every step its head fits no live engine);
 - placements go only to live engines the request does not avoid, and under
-  precise_prefix to the cheapest by the documented cost (recomputed here);
+  precise_prefix to the cheapest by the documented cost (recomputed here, with the
+  prefill still pending on each engine: requests whose first token has not come back);
 - every refusal names its reason and changes nothing.
 """
 
@@ -40,6 +41,7 @@ class DoorMachine(RuleBasedStateMachine):
         self.adm: DoorAdmission | None = None
         self.live = [True] * len(CAPACITY)
         self.running: dict[str, tuple[int, int]] = {}  # request -> (engine, need)
+        self.to_prefill: dict[str, int] = {}  # running, first token not back -> its blocks
         self.queued: list[DoorRequest] = []  # submission order
         self.now = 0.0
         self.next_id = 0
@@ -72,14 +74,23 @@ class DoorMachine(RuleBasedStateMachine):
             for e in range(3)
             if self.live[e] and e not in req.avoid and committed[e] + req.need_blocks <= CAPACITY[e]
         ]
-        held = self.held.get(req.request_id, {})
+        # least_loaded asks the index nothing: all of its prompt is to prefill
+        held = self.held.get(req.request_id, {}) if self.adm.policy == PRECISE_PREFIX else {}
+        pending = {e: self.pending_prefill(e) for e in range(3)}
         if self.adm.policy == PRECISE_PREFIX:
-            cost = {e: max(req.prompt_blocks - held.get(e, 0), 0) + committed[e] for e in fits}
+            cost = {
+                e: max(req.prompt_blocks - held.get(e, 0), 0) + pending[e] + committed[e]
+                for e in fits
+            }
         else:
             cost = {e: committed[e] / CAPACITY[e] for e in fits}
         best = min(fits, key=lambda e: (cost[e], e))
         assert p.rank == best, (p, cost)
         self.running[req.request_id] = (p.rank, req.need_blocks)
+        self.to_prefill[req.request_id] = max(req.prompt_blocks - held.get(p.rank, 0), 0)
+
+    def pending_prefill(self, e: int) -> int:
+        return sum(b for r, b in self.to_prefill.items() if self.running[r][0] == e)
 
     @rule(
         need=st.integers(1, 22),
@@ -121,11 +132,21 @@ class DoorMachine(RuleBasedStateMachine):
         rank, placed = self.adm.release(rid)
         if rid in self.running:
             assert rank == self.running.pop(rid)[0]
+            self.to_prefill.pop(rid, None)
         else:
             assert rank is None
             self.queued = [r for r in self.queued if r.request_id != rid]
         self.sync(placed)
         assert self.adm.release(rid) == (None, [])  # idempotent
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.adm is not None and self.running)
+    def first_token(self, data: st.DataObject) -> None:
+        assert self.adm is not None
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        assert self.adm.started(rid) == (rid in self.to_prefill)
+        self.to_prefill.pop(rid, None)
+        assert not self.adm.started(rid)  # once
 
     @rule(engine=st.integers(0, 2), live=st.booleans())
     @precondition(lambda self: self.adm is not None)
@@ -153,6 +174,7 @@ class DoorMachine(RuleBasedStateMachine):
             want = sum(n for (r, n) in self.running.values() if r == e)
             assert self.adm.committed(e) == want <= cap
             assert self.adm.running(e) == sum(1 for (r, _) in self.running.values() if r == e)
+            assert self.adm.prefilling(e) == self.pending_prefill(e)
         assert self.adm.queued == len(self.queued) <= QUEUE_LIMIT
 
     @invariant()
