@@ -36,6 +36,8 @@ def bench_serve_parser(sub: Any) -> None:
     b.add_argument("--max-output-tokens", type=int, default=48)
     b.add_argument("--blocks", type=int, default=160, help="KV blocks per engine (of 32 tokens)")
     b.add_argument("--max-num-seqs", type=int, default=8)
+    b.add_argument("--prefix-weight", type=float, default=1.0,
+                   help="precise_prefix: blocks to prefill against blocks held")  # fmt: skip
     b.add_argument("--arms", default=",".join(("round_robin", "serve_default", "least_loaded",
                                                 "precise_prefix")))  # fmt: skip
     b.add_argument("--out", default="kvfold-out", help="where bench_serve.{json,csv,png} go")
@@ -51,8 +53,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print(f"--arms {args.arms!r}: allowed: a comma-separated subset of {', '.join(ARMS)}",
               file=sys.stderr)  # fmt: skip
         return 2
-    if args.engines <= 0 or args.limit <= 0 or args.skip < 0:
-        print("--engines and --limit must be > 0, --skip >= 0", file=sys.stderr)
+    if args.engines <= 0 or args.limit <= 0 or args.skip < 0 or not args.prefix_weight >= 0:
+        print("--engines and --limit must be > 0, --skip and --prefix-weight >= 0",
+              file=sys.stderr)  # fmt: skip
         return 2
     from kvfold.serving.bench_trace import serve_requests
 

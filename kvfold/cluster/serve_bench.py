@@ -59,6 +59,7 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
                         engine_urls=tuple(urls), model_dir=args.model_dir,
                         namespace=kv.namespace, policy=arm, http_port=port,
                         max_running_per_engine=args.max_num_seqs, queue_timeout_s=300.0,
+                        prefix_weight=args.prefix_weight,
                         queue_limit=max(256, len(requests)),
                     )
                 )  # fmt: skip
