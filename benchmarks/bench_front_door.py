@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--rounds", type=int, default=200)
 p.add_argument("--engines", type=int, default=2)
+p.add_argument("--door-refresh-s", type=float, default=0.05, help="how often the door follows")
 p.add_argument("--engine-python", default=str(REPO / ".venv-engine" / "bin" / "python"))
 p.add_argument("--model-dir", default=str(REPO / "tests" / "fixtures" / "tiny-llama"))
 args = p.parse_args()
@@ -79,6 +80,7 @@ try:
             model_dir=args.model_dir,
             namespace=kv.namespace,
             http_port=port,
+            refresh_s=args.door_refresh_s,
         )
     )
     ways = {

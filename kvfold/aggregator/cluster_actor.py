@@ -233,6 +233,13 @@ class ClusterAggregator(IndexCalls):
         with self.cond:
             return self._delta(position)
 
+    def view_and_index_since(
+        self, position: tuple[bytes, int], cursor: tuple[int, int]
+    ) -> tuple[bytes | None, bytes]:
+        """view_since(position) and block_index_since(cursor) in one call: a follower of
+        both (the front door's door) pays one Ray call per refresh, not two."""
+        return self.view_since(position), self.block_index_since(cursor)
+
     def version(self) -> int:
         with self.cond:
             return self._refresh().version

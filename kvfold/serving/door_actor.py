@@ -31,7 +31,7 @@ from typing import Any
 import ray
 
 from kvfold.aggregator.view_delta import ViewReader
-from kvfold.blockindex.feed import Replica
+from kvfold.blockindex.feed import NO_CURSOR, Replica
 from kvfold.naming import AGGREGATOR_NAME
 from kvfold.serving.door_admission import (
     DoorAdmission,
@@ -296,14 +296,18 @@ class DoorActor:
         if self._aggregator is None:
             self._aggregator = ray.get_actor(AGGREGATOR_NAME, namespace=self.settings.namespace)
         asked = self._reader.position
-        view = self._reader.apply(await self._aggregator.view_since.remote(asked), asked)
+        cursor_asked = self._replica.cursor if self._replica is not None else NO_CURSOR
+        view_bytes, index_bytes = await self._aggregator.view_and_index_since.remote(
+            asked, cursor_asked
+        )
+        view = self._reader.apply(view_bytes, asked)
         if view is None:
             return
         if self._replica is None or list(view.rank_to_node) != self._replica.rank_to_node:
             self._replica = Replica(list(view.rank_to_node))
-        cursor, ops, whole = pickle.loads(
-            await self._aggregator.block_index_since.remote(self._replica.cursor)
-        )
+            if cursor_asked != NO_CURSOR:  # those ops were for the replica just dropped
+                index_bytes = await self._aggregator.block_index_since.remote(NO_CURSOR)
+        cursor, ops, whole = pickle.loads(index_bytes)
         self._replica.take(tuple(cursor), ops, whole)
         if self._view is not None and view.version == self._view.version:
             return

@@ -33,7 +33,7 @@ class FrontDoorSettings:
     watermark_blocks: int = 0  # blocks of each engine kept out of every promise
     max_running_per_engine: int | None = None  # the engines' max_num_seqs, or None
     prefix_weight: float = 1.0  # precise_prefix: blocks to prefill against blocks held
-    refresh_s: float = 0.05  # how often the door follows the view and the block index
+    refresh_s: float = 0.1  # how often the door follows the view and the block index
     num_replicas: int = 1  # front-door replicas (more than one needs shared_door)
     # False: the door lives in the front door's one replica (no Ray call per request; nothing
     # else may admit onto these engines). True: one named door actor that every replica and
