@@ -9,7 +9,8 @@ ways in turn:
                     (precise_prefix), the engine, the release
 
 The figure is the median, over rounds, of front_door's time minus serve_default's in the
-same round (paired: both met the same moment of the machine), target <= 1 ms; beside it,
+same round (paired: both met the same moment of the machine; the three go in a new random
+order each round), target <= 1 ms; beside it,
 its interquartile range, the difference of the two medians, the door's own admit call as
 the front door saw it (`x-kvfold-waited-ms`) and the ratio of the two medians.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -98,8 +100,9 @@ try:
                 raise SystemExit(f"{url}: {e.code} {e.read()[:500]!r} {stats!r}") from e
     times: dict[str, list[float]] = {w: [] for w in ways}
     waited: list[float] = []
+    order = random.Random(0)
     for _ in range(args.rounds):
-        for way, url in ways.items():
+        for way, url in order.sample(list(ways.items()), len(ways)):  # no way always first
             dt, headers = timed_post(url, body)
             times[way].append(dt)
             if way == "front_door":
