@@ -24,6 +24,7 @@ import json
 import os
 import random
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -31,6 +32,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import psutil
@@ -45,6 +47,7 @@ from kvfold.cluster.request_router import kvfold_router_config
 from kvfold.engines.vllm_metrics import parse_vllm_metrics
 from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port
 from kvfold.serving.door_actor import start_door
+from kvfold.serving.door_admission import LEAST_LOADED
 from kvfold.serving.engine_fleet import EngineFleet
 from kvfold.serving.openai_body import parse_chat, parse_completion
 from kvfold.serving.prompt_tokens import PromptTokenizer
@@ -329,6 +332,63 @@ def test_nothing_the_front_door_starts_listens_beyond_loopback(door: Door) -> No
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     assert not wide, wide
+
+
+def test_an_engine_failing_before_a_byte_leaves_the_request_to_another_once(door: Door) -> None:
+    """A second front door whose engine rank 0 is reached at a server that answers
+    /v1/models as that engine does and drops every request unanswered (an engine dying
+    between accepting a request and answering it). kvfold's view holds rank 0 live: it reads
+    the real engine. Under least_loaded, idle engines tie and the lowest rank wins, so each
+    request is placed on rank 0 first, fails there before a byte, and is placed once more,
+    on rank 1, whose answer the client gets. Nothing stays committed."""
+    card = urllib.request.urlopen(door.fleet.urls[0] + "/v1/models", timeout=30).read()
+    dropped: list[str] = []
+
+    class Dropping(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server's names
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(card)))
+            self.end_headers()
+            self.wfile.write(card)
+
+        def do_POST(self) -> None:
+            dropped.append(self.path)
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)  # no status line, no byte
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    standin = ThreadingHTTPServer(("127.0.0.1", 0), Dropping)
+    threading.Thread(target=standin.serve_forever, daemon=True).start()
+    app = serve_front_door(
+        FrontDoorSettings(
+            engine_urls=(f"http://127.0.0.1:{standin.server_address[1]}", *door.fleet.urls[1:]),
+            model_dir=door.app.settings.model_dir, namespace=door.kv.namespace,
+            policy=LEAST_LOADED, app_name="kvfold-front-door-retry", route_prefix="/retry",
+            http_port=door.app.settings.http_port,
+        )
+    )  # fmt: skip
+    try:
+        for stream in (False, True):
+            body = {"model": "tiny-llama", "prompt": [9] * 40, "max_tokens": 3, "stream": stream}
+            status, headers, data = post(app.url + "/v1/completions", body)
+            assert status == 200, data
+            assert headers["x-kvfold-engine"] == "1"
+            if stream:
+                assert data.rstrip().endswith(b"data: [DONE]")
+        assert dropped == ["/v1/completions", "/v1/completions"]  # each tried rank 0 first
+
+        def settled() -> dict[str, Any] | None:
+            s = app.stats()
+            return s if all(e["committed_blocks"] == 0 for e in s["engines"].values()) else None
+
+        stats: Any = wait_until(settled, timeout_s=30)
+        assert stats["placed"] == 4  # two requests, each placed twice
+    finally:
+        app.shutdown()
+        standin.shutdown()
 
 
 def test_an_engine_killed_mid_run_fails_its_requests_by_name_and_frees_them(door: Door) -> None:
