@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _report import info, report
+from _report import info, percentile, report
 
 from kvfold.ray_env import apply_local_defaults
 
@@ -113,10 +113,9 @@ try:
     info(
         "front_door: the door's admit, as the replica saw it, p50", statistics.median(waited), "ms"
     )
-    paired = sorted(
-        (f - s) * 1e3 for f, s in zip(times["front_door"], times["serve_default"], strict=True)
-    )
-    q1, q3 = paired[len(paired) // 4], paired[(3 * len(paired)) // 4]
+    ours, anchor = times["front_door"], times["serve_default"]
+    paired = [(f - s) * 1e3 for f, s in zip(ours, anchor, strict=True)]
+    q1, q3 = percentile(paired, 0.25), percentile(paired, 0.75)
     info("front_door - serve_default, per round: 25th percentile", q1, "ms")
     info("front_door - serve_default, per round: 75th percentile", q3, "ms")
     info("difference of the two medians", med["front_door"] - med["serve_default"], "ms")

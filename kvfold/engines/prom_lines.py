@@ -20,14 +20,11 @@ def families_query(samples: tuple[str, ...]) -> str:
     return "?" + urlencode([("name[]", s) for s in samples])
 
 
-def wanted_lines(text: str, families: tuple[str, ...]) -> tuple[str, int]:
-    """The lines of `families` (their samples, by name prefix, and their comments), joined,
-    and how many of the page's lines were not blank: a page with lines but none wanted is
-    not the page asked for."""
+def wanted_lines(text: str, families: tuple[str, ...]) -> str:
+    """The lines of `families` (their samples, by name prefix, and their comments), joined.
+    A page with text but none of them is not the page asked for: callers refuse it."""
     keep = families + tuple(f"# {kind} {f} " for f in families for kind in ("HELP", "TYPE"))
-    lines = text.split("\n")
-    kept = [line for line in lines if line.startswith(keep)]
-    return "\n".join(kept) + "\n", sum(1 for line in lines if line.strip())
+    return "\n".join(line for line in text.split("\n") if line.startswith(keep)) + "\n"
 
 
 __all__ = ["families_query", "wanted_lines"]

@@ -82,8 +82,8 @@ def parse_sglang_metrics(text: str) -> dict[str, SGLangMetrics]:
         raise MetricsError(f"a metrics page is text, got {type(text).__name__}")
     if len(text) > MAX_PAGE_BYTES:
         raise MetricsError(f"metrics page of {len(text)} characters > {MAX_PAGE_BYTES}")
-    wanted, lines = wanted_lines(text, FAMILIES)
-    if lines and not wanted.strip():
+    wanted = wanted_lines(text, FAMILIES)
+    if text.strip() and not wanted.strip():
         raise MetricsError(f"no SGLang KV-cache metric on the page; it begins {text[:120]!r}")
     found: dict[str, dict[str, float]] = {}
     started: float | None = None

@@ -90,8 +90,8 @@ def parse_vllm_metrics(text: str) -> dict[str, VLLMMetrics]:
         raise MetricsError(f"a metrics page is text, got {type(text).__name__}")
     if len(text) > MAX_PAGE_BYTES:
         raise MetricsError(f"metrics page of {len(text)} characters > {MAX_PAGE_BYTES}")
-    wanted, lines = wanted_lines(text, FAMILIES)
-    if lines and not wanted.strip():
+    wanted = wanted_lines(text, FAMILIES)
+    if text.strip() and not wanted.strip():
         raise MetricsError(f"no vLLM KV-cache metric on the page; it begins {text[:120]!r}")
     found: dict[str, dict[str, float | int]] = {}
     started: float | None = None

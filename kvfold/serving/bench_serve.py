@@ -12,8 +12,8 @@ Per arm, from the engines: prompt tokens served from cache (`vllm:prefix_cache_h
 preemptions (`vllm:num_preemptions`), as deltas over the arm; from the client: time to first
 token (the first streamed chunk carrying text) and end-to-end latency, requests answered,
 refused (429) and failed; for the front door's arms, the part of each request's wait spent
-in kvfold's queue (its `x-kvfold-waited-ms` header). Every arm starts from empty engine caches (POST
-/reset_prefix_cache) and idle engines.
+in kvfold's queue (its `x-kvfold-waited-ms` header). Every arm starts from empty engine
+caches (POST /reset_prefix_cache) and idle engines.
 
     run_bench(...)  -> list of rows (one per arm); write_outputs(rows, out_dir)
 """
