@@ -10,11 +10,11 @@ ways in turn:
 
 The figure is the median, over rounds, of front_door's time minus serve_default's in the
 same round (paired: both met the same moment of the machine; the three go in a new random
-order each round), target <= 1 ms; beside it,
+order each round), target <= 1 ms; beside it, a 95% bootstrap interval of that median,
 its interquartile range, the difference of the two medians, the door's own admit call as
 the front door saw it (`x-kvfold-waited-ms`) and the ratio of the two medians.
 
-    python benchmarks/bench_front_door.py [--rounds 200] [--engines 2]
+    python benchmarks/bench_front_door.py [--rounds 1000] [--engines 2] [--json F]
 """
 
 from __future__ import annotations
@@ -38,11 +38,17 @@ from kvfold.ray_env import apply_local_defaults
 REPO = Path(__file__).resolve().parents[1]
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-p.add_argument("--rounds", type=int, default=200)
+p.add_argument("--rounds", type=int, default=1000)
 p.add_argument("--engines", type=int, default=2)
-p.add_argument("--door-refresh-s", type=float, default=0.05, help="how often the door follows")
+p.add_argument(
+    "--door-refresh-s",
+    type=float,
+    default=None,
+    help="how often the door follows (default: the door's own)",
+)
 p.add_argument("--engine-python", default=str(REPO / ".venv-engine" / "bin" / "python"))
 p.add_argument("--model-dir", default=str(REPO / "tests" / "fixtures" / "tiny-llama"))
+p.add_argument("--json", help="write every round's times (ms) here")
 args = p.parse_args()
 apply_local_defaults(None)
 
@@ -54,6 +60,13 @@ from kvfold.cluster.front_door import serve_front_door, start_serve
 from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port
 from kvfold.serving.engine_fleet import EngineFleet
 from kvfold.serving.settings import FrontDoorSettings
+
+
+def bootstrap_median_interval(xs: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 95% percentile-bootstrap interval of the median of `xs`."""
+    pick = random.Random(1)
+    meds = sorted(statistics.median(pick.choices(xs, k=len(xs))) for _ in range(resamples))
+    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples)]
 
 
 def timed_post(url: str, body: dict[str, object]) -> tuple[float, dict[str, str]]:
@@ -76,13 +89,14 @@ try:
     port = free_loopback_port()
     start_serve(http_port=port)
     serve.run(engine_deployment(fleet.urls), name="engines", route_prefix="/engines")
+    refresh = {} if args.door_refresh_s is None else {"refresh_s": args.door_refresh_s}
     door = serve_front_door(
         FrontDoorSettings(
             engine_urls=tuple(fleet.urls),
             model_dir=args.model_dir,
             namespace=kv.namespace,
             http_port=port,
-            refresh_s=args.door_refresh_s,
+            **refresh,
         )
     )
     ways = {
@@ -116,12 +130,18 @@ try:
     ours, anchor = times["front_door"], times["serve_default"]
     paired = [(f - s) * 1e3 for f, s in zip(ours, anchor, strict=True)]
     q1, q3 = percentile(paired, 0.25), percentile(paired, 0.75)
+    lo, hi = bootstrap_median_interval(paired)
+    info("front_door - serve_default, paired median: 95% interval, low", lo, "ms")
+    info("front_door - serve_default, paired median: 95% interval, high", hi, "ms")
     info("front_door - serve_default, per round: 25th percentile", q1, "ms")
     info("front_door - serve_default, per round: 75th percentile", q3, "ms")
     info("difference of the two medians", med["front_door"] - med["serve_default"], "ms")
     report("front door over Serve's default router, p50 (paired)", statistics.median(paired),
            "ms", 1.0)  # fmt: skip
     info("ratio front_door / serve_default p50", med["front_door"] / med["serve_default"], "x")
+    if args.json:
+        rows = {w: [t * 1e3 for t in ts] for w, ts in times.items()}
+        Path(args.json).write_text(json.dumps({"ms": rows, "door_admit_ms": waited}))
     door.shutdown()
 finally:
     try:
