@@ -48,6 +48,7 @@ class EngineReplica:
                 "per engine (num_replicas = len(engine_urls))"
             )
         self.url = engine_urls[self.rank]
+        self._which = {"x-kvfold-engine": str(self.rank)}  # which engine answered, as kvfold's
         self.stream_interval_s = stream_interval_s
         self._session: Any = None
 
@@ -84,16 +85,17 @@ class EngineReplica:
                 status, data, headers = await post_json(
                     self._http(), self.rank, self.url, path, body
                 )
-                return Response(data, status_code=status, headers=headers)
+                return Response(data, status_code=status, headers={**headers, **self._which})
             stream = await open_stream(self._http(), self.rank, self.url, path, body)
         except EngineFailed as e:
             return Response(error_body(str(e), "engine_failed", 502), 502,
-                            media_type="application/json")  # fmt: skip
+                            media_type="application/json", headers=self._which)  # fmt: skip
         if stream.status != 200:
-            return Response(await stream.body(), stream.status, headers=stream.headers)
+            return Response(await stream.body(), stream.status,
+                            headers={**stream.headers, **self._which})  # fmt: skip
 
         chunks = relayed(stream, self.stream_interval_s)
-        return StreamingResponse(chunks, media_type="text/event-stream")
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=self._which)
 
 
 def engine_deployment(

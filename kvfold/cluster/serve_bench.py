@@ -35,7 +35,7 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
 
         from kvfold.cluster.engine_replica import engine_deployment
         from kvfold.cluster.front_door import serve_front_door, start_serve
-        from kvfold.serving.bench_serve import format_table, run_arm, write_outputs
+        from kvfold.serving.bench_serve import format_table, request_rows, run_arm, write_outputs
         from kvfold.serving.settings import FrontDoorSettings
 
         kv = launch(args.engines, args.engines, engines=fleet.endpoints, dead_after_s=5.0)
@@ -44,14 +44,14 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
         proxy = f"http://127.0.0.1:{port}"
         urls = fleet.urls
         model = "tiny-llama"
-        rows = []
+        rows, per_request = [], []
         for arm in arms:
             print(f"== {arm}: {len(requests)} requests", flush=True)
             if arm == "round_robin":
-                row = run_arm(arm, requests, urls, lambda i: urls[i % len(urls)], model)
+                row, seen = run_arm(arm, requests, urls, lambda i: urls[i % len(urls)], model)
             elif arm == "serve_default":
                 serve.run(engine_deployment(urls), name="engines", route_prefix="/engines")
-                row = run_arm(arm, requests, urls, lambda i: proxy + "/engines", model)
+                row, seen = run_arm(arm, requests, urls, lambda i: proxy + "/engines", model)
                 serve.delete("engines")
             else:
                 door = serve_front_door(
@@ -64,14 +64,15 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
                     )
                 )  # fmt: skip
                 front: str = door.url
-                row = run_arm(arm, requests, urls, _constant(front), model)
+                row, seen = run_arm(arm, requests, urls, _constant(front), model)
                 door.shutdown()
             print(format_table([row]), flush=True)
             rows.append(row)
+            per_request += request_rows(arm, requests, seen)
         meta = {k: v for k, v in vars(args).items() if k != "fn"}
         print()
         print(format_table(rows))
-        for path in write_outputs(rows, meta, args.out):
+        for path in write_outputs(rows, meta, args.out, per_request):
             print(f"wrote {path}")
         return 0
     finally:

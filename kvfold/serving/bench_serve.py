@@ -15,7 +15,8 @@ refused (429) and failed; for the front door's arms, the part of each request's 
 in kvfold's queue (its `x-kvfold-waited-ms` header). Every arm starts from empty engine
 caches (POST /reset_prefix_cache) and idle engines.
 
-    run_bench(...)  -> list of rows (one per arm); write_outputs(rows, out_dir)
+    run_arm(...)  -> its row, and what the client saw of each request
+    write_outputs(rows, meta, out_dir, per_request)   .json, .csv, .png; every request
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ COLUMNS = (
 @dataclass
 class Outcome:
     status: int = 0
+    engine: int | None = None  # the rank that answered (x-kvfold-engine), where known
     ttft_s: float | None = None
     e2e_s: float | None = None
     door_wait_s: float | None = None  # in kvfold's queue, as the front door said (a header)
@@ -136,6 +138,8 @@ async def replay_http(
             try:
                 async with session.post(target(i) + "/v1/completions", json=body) as resp:
                     o.status = resp.status
+                    engine = resp.headers.get("x-kvfold-engine")
+                    o.engine = int(engine) if engine is not None else None
                     waited = resp.headers.get("x-kvfold-waited-ms")
                     if waited is not None:
                         o.door_wait_s = float(waited) / 1e3
@@ -186,7 +190,7 @@ def summarize(
         "requests": len(requests),
         "completed": len(done),
         "refused_429": sum(1 for o in outcomes if o.status == 429),
-        "failed": sum(1 for o in outcomes if o.status not in (200, 429) or o.error),
+        "failed": sum(1 for o in outcomes if o.status != 429 and (o.status != 200 or o.error)),
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached,
         "cached_fraction": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
@@ -208,7 +212,9 @@ def run_arm(
     engine_urls: Sequence[str],
     target: Callable[[int], str],
     model: str,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[Outcome]]:
+    """One arm from empty engine caches: its row, and what the client saw of each request
+    (a request sent straight to an engine's URL has that engine's rank)."""
     reset_caches(engine_urls)
     before = engine_counters(engine_urls)
     t0 = time.monotonic()
@@ -216,7 +222,40 @@ def run_arm(
     wall = time.monotonic() - t0
     reset_caches(engine_urls, timeout_s=120.0)  # idle again: every counter is in
     after = engine_counters(engine_urls)
-    return summarize(arm, requests, outcomes, before, after, wall)
+    for i, o in enumerate(outcomes):
+        if o.engine is None and target(i) in engine_urls:
+            o.engine = list(engine_urls).index(target(i))
+    return summarize(arm, requests, outcomes, before, after, wall), outcomes
+
+
+REQUEST_COLUMNS = ("arm", "request_id", "arrival_s", "prompt_tokens", "max_tokens", "status",
+                   "engine", "ttft_ms", "e2e_ms", "door_wait_ms", "error")  # fmt: skip
+
+
+def request_rows(
+    arm: str, requests: Sequence[ServeRequest], outcomes: Sequence[Outcome]
+) -> list[dict[str, Any]]:
+    """One row per request of an arm: when it came, where it went, what the client saw."""
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1e3, 1)
+
+    return [
+        {
+            "arm": arm,
+            "request_id": r.request_id,
+            "arrival_s": round(r.arrival_s, 3),
+            "prompt_tokens": len(r.prompt),
+            "max_tokens": r.max_tokens,
+            "status": o.status,
+            "engine": o.engine,
+            "ttft_ms": ms(o.ttft_s),
+            "e2e_ms": ms(o.e2e_s),
+            "door_wait_ms": ms(o.door_wait_s),
+            "error": o.error,
+        }
+        for r, o in zip(requests, outcomes, strict=True)
+    ]
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -228,10 +267,26 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(rows: Sequence[dict[str, Any]], meta: dict[str, Any], out_dir: str) -> list[Path]:
-    """bench_serve.json (rows and how they were made), .csv, and .png (three panels)."""
+def write_outputs(
+    rows: Sequence[dict[str, Any]],
+    meta: dict[str, Any],
+    out_dir: str,
+    per_request: Sequence[dict[str, Any]] = (),
+) -> list[Path]:
+    """bench_serve.json (rows and how they were made), .csv, .png (three panels), and
+    bench_serve_requests.csv (every request of every arm) when `per_request` is given."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if per_request:
+        import csv
+
+        requests_csv = out / "bench_serve_requests.csv"
+        with open(requests_csv, "w", encoding="utf-8", newline="") as f:
+            w = csv.DictWriter(f, REQUEST_COLUMNS)
+            w.writeheader()
+            w.writerows(per_request)
+        written.append(requests_csv)
     js = out / "bench_serve.json"
     js.write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=2) + "\n")
     csv_path = out / "bench_serve.csv"
@@ -259,15 +314,18 @@ def write_outputs(rows: Sequence[dict[str, Any]], meta: dict[str, Any], out_dir:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
-    return [js, csv_path, png]
+    return [js, csv_path, png, *written]
 
 
 __all__ = [
     "ARMS",
     "COLUMNS",
+    "REQUEST_COLUMNS",
+    "Outcome",
     "engine_counters",
     "format_table",
     "replay_http",
+    "request_rows",
     "reset_caches",
     "run_arm",
     "summarize",

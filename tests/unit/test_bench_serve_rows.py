@@ -1,0 +1,61 @@
+"""`kvfold bench-serve`'s pure parts: an arm's row from what the client saw and the engines'
+counters, and every request's row, written and read back."""
+
+import csv
+import json
+from pathlib import Path
+
+from kvfold.serving.bench_serve import (
+    COLUMNS,
+    REQUEST_COLUMNS,
+    EngineCounters,
+    Outcome,
+    request_rows,
+    summarize,
+    write_outputs,
+)
+from kvfold.serving.bench_trace import ServeRequest
+
+
+def _requests(n: int) -> list[ServeRequest]:
+    return [ServeRequest(f"r{i}", i * 0.5, tuple(range(3, 3 + 10 * (i + 1))), 4) for i in range(n)]
+
+
+def _outcomes() -> list[Outcome]:
+    ok = [Outcome(200, engine=i % 3, ttft_s=0.01 * (i + 1), e2e_s=0.1 * (i + 1)) for i in range(8)]
+    return [
+        *ok,
+        Outcome(429, error="queue_full"),
+        Outcome(200, engine=2, ttft_s=0.5, e2e_s=0.9, error='data: {"error": "engine_failed"}'),
+    ]
+
+
+def test_an_arms_row_counts_what_the_client_and_the_engines_saw() -> None:
+    requests, outcomes = _requests(10), _outcomes()
+    before = EngineCounters(cached_tokens=100, preemptions=2)
+    after = EngineCounters(cached_tokens=160, preemptions=2)
+    row = summarize("precise_prefix", requests, outcomes, before, after, wall_s=12.34)
+    assert set(row) == set(COLUMNS)
+    assert (row["requests"], row["completed"], row["refused_429"], row["failed"]) == (10, 8, 1, 1)
+    assert row["prompt_tokens"] == sum(10 * (i + 1) for i in range(10))
+    assert row["cached_tokens"] == 60 and row["preemptions"] == 0
+    # percentiles over the 8 answered only: TTFTs 10..80 ms, the failed stream's 500 left out
+    assert (row["ttft_p50_ms"], row["ttft_p90_ms"]) == (50.0, 80.0)
+    assert row["door_wait_p50_ms"] is None  # no front door said how long it waited
+
+
+def test_every_requests_row_is_written_and_read_back(tmp_path: Path) -> None:
+    requests, outcomes = _requests(10), _outcomes()
+    row = summarize("round_robin", requests, outcomes, EngineCounters(), EngineCounters(), 1.0)
+    per_request = request_rows("round_robin", requests, outcomes)
+    paths = write_outputs([row], {"command": "bench-serve"}, str(tmp_path), per_request)
+    assert {p.name for p in paths} == {
+        "bench_serve.json", "bench_serve.csv", "bench_serve.png", "bench_serve_requests.csv"
+    }  # fmt: skip
+    with open(tmp_path / "bench_serve_requests.csv", encoding="utf-8") as f:
+        back = list(csv.DictReader(f))
+    assert [list(r) for r in back] == [list(REQUEST_COLUMNS)] * 10
+    assert [r["request_id"] for r in back] == [r.request_id for r in requests]
+    assert back[3]["engine"] == "0" and back[3]["ttft_ms"] == "40.0"
+    assert back[8]["status"] == "429" and back[8]["engine"] == "" and back[8]["error"]
+    assert json.loads((tmp_path / "bench_serve.json").read_text())["rows"] == [row]
