@@ -279,10 +279,19 @@ def start_serve(http_host: str = "127.0.0.1", http_port: int = 8000) -> None:
     serve.start(http_options={"host": http_host, "port": http_port})
 
 
-def serve_front_door(settings: FrontDoorSettings, timeout_s: float = 120.0) -> FrontDoorApp:
+def serve_front_door(
+    settings: FrontDoorSettings, timeout_s: float = 120.0, engines_live: int | None = None
+) -> FrontDoorApp:
     """Start the door actor and the front door's Serve app on the Ray cluster this process
-    is connected to (kvfold launched there with the engines as ranks). Returns once every
-    engine is fresh in the view and the app answers."""
+    is connected to (kvfold launched there with the engines as ranks). Returns once the app
+    answers and `engines_live` engines (None: every one) are fresh in the view with their
+    max_model_len known. An engine not up yet is taken when it is."""
+    want = len(settings.engine_urls) if engines_live is None else engines_live
+    if not 1 <= want <= len(settings.engine_urls):
+        raise ValueError(
+            f"engines_live={engines_live!r}: allowed: 1..{len(settings.engine_urls)} (the "
+            "engines to wait for), or None for every one"
+        )
     if not settings.on_loopback:
         log.warning("kvfold front door: serving HTTP on %s, beyond loopback, as asked",
                     settings.http_host)  # fmt: skip
@@ -290,7 +299,7 @@ def serve_front_door(settings: FrontDoorSettings, timeout_s: float = 120.0) -> F
     door = None
     if settings.shared_door:
         door = start_door(settings)
-        ray.get(door.ready.remote(), timeout=timeout_s)
+        ray.get(door.ready.remote(want), timeout=timeout_s)
     deployment: Any = FrontDoor.options(num_replicas=settings.num_replicas)  # type: ignore[attr-defined]
     serve.run(deployment.bind(settings), name=settings.app_name, route_prefix=settings.route_prefix)
     host = "127.0.0.1" if settings.http_host in ("0.0.0.0", "::") else settings.http_host
@@ -299,12 +308,14 @@ def serve_front_door(settings: FrontDoorSettings, timeout_s: float = 120.0) -> F
     while True:  # every engine fresh, as the door sees the view
         try:
             health = _get_json(url + "/health", timeout_s=10)
-            if len(health["live_engines"]) == len(settings.engine_urls):
+            if len(health["live_engines"]) >= want:
                 break
         except (OSError, ValueError, KeyError):  # 503 until an engine is fresh
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the front door at {url} saw no fresh engines in {timeout_s} s")
+            raise TimeoutError(
+                f"the front door at {url} saw fewer than {want} engines fresh in {timeout_s} s"
+            )
         time.sleep(0.1)
     return FrontDoorApp(settings, url, door)
 

@@ -13,7 +13,9 @@ the engines as one controller would: a promise is made in one place, in order.
 
 What the actor knows of the engines comes from kvfold's view (capacity, block size,
 liveness, the engine's own used blocks) and from each engine's /v1/models (its
-max_model_len, read once at start). It never calls an engine for a request.
+max_model_len, asked once the engine is live in the view, in a thread). An engine down when
+the door starts is taken once it is up; until its limit is known it gets no request. The
+door never calls an engine for a request.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pickle
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import ray
@@ -50,6 +52,8 @@ from kvfold.worker.hashing import as_token_array, block_keys
 log = logging.getLogger("kvfold")
 
 CROSS_CHECK_LOOKBACK_S = 2.0  # a gauge is compared with the most committed this far back
+LIMIT_ASK_TIMEOUT_S = 5.0  # an engine's /v1/models, asked for its max_model_len
+LIMIT_ASK_RETRY_S = 1.0  # after a failed ask, the engine is asked again this much later
 RELEASED_MEMORY = 10_000  # ids released before their admit arrived, refused if it does
 
 
@@ -71,18 +75,21 @@ class DoorActor:
         self._view: ClusterView | None = None
         self._aggregator: Any = None
         self._log = CommittedLog(settings.engine_ranks, time.time())
-        self.max_model_len = [_max_model_len(url) for url in settings.engine_urls]
+        self.max_model_len: dict[int, int] = {}  # per engine, from its /v1/models
+        self._asking: set[int] = set()  # engines whose /v1/models is being asked
         self.above_committed: dict[int, int] = {}  # reports of used > committed, per engine
         self.follow_failures = 0
         self._follower: asyncio.Task[None] | None = None
 
     # -- the API -------------------------------------------------------------------------
 
-    async def ready(self) -> dict[str, Any]:
-        """Once a view showing every engine fresh was followed: the engines as seen."""
+    async def ready(self, engines: int | None = None) -> dict[str, Any]:
+        """Once a followed view shows `engines` engines live (None: every one) and their
+        max_model_len is known: the engines as seen."""
         self._ensure_following()
+        want = len(self.settings.engine_urls) if engines is None else engines
         while True:
-            if all(e.live for e in self._engines()):
+            if sum(e.live for e in self._engines()) >= want:
                 return self.stats()
             await asyncio.sleep(self.settings.refresh_s)
 
@@ -120,7 +127,7 @@ class DoorActor:
             raise QueueRefused("released", f"request {request_id!r} was released already")
         tokens = as_token_array(prompt_ids, "prompt_ids")
         block_size = self._block_size()
-        limit = min(self.max_model_len)
+        limit = self._model_limit()
         if len(tokens) >= limit:
             raise QueueRefused(
                 "prompt_too_long",
@@ -210,7 +217,7 @@ class DoorActor:
             "policy": self.adm.policy,
             "view_version": self._view.version if self._view is not None else None,
             "follow_failures": self.follow_failures,
-            "max_model_len": min(self.max_model_len),
+            "max_model_len": min(self.max_model_len.values(), default=None),
         }
 
     def committed_between(self, rank: int, t0: float, t1: float) -> int:
@@ -261,7 +268,47 @@ class DoorActor:
         return sizes.pop()
 
     def _engines(self) -> list[EngineState]:
-        return engine_states(self._view, self.settings.engine_ranks, self.settings.watermark_blocks)
+        """The engines as the view shows them; one whose max_model_len is not known yet is
+        not live (the door cannot count a request's end there)."""
+        states = engine_states(
+            self._view, self.settings.engine_ranks, self.settings.watermark_blocks
+        )
+        return [s if s.rank in self.max_model_len else replace(s, live=False) for s in states]
+
+    def _model_limit(self) -> int:
+        if not self.max_model_len:
+            raise QueueRefused(
+                "engines_unknown",
+                "no engine's max_model_len is known yet (its /v1/models, asked once it is live)",
+                self._retry_after_s(),
+            )
+        return min(self.max_model_len.values())
+
+    def _learn_limits(self) -> None:
+        """Ask every engine live in the view, whose max_model_len is not known, for it."""
+        raw = engine_states(self._view, self.settings.engine_ranks, self.settings.watermark_blocks)
+        for s in raw:
+            if s.live and s.rank not in self.max_model_len and s.rank not in self._asking:
+                self._asking.add(s.rank)
+                asyncio.get_running_loop().create_task(self._ask_limit(s.rank))
+
+    async def _ask_limit(self, rank: int) -> None:
+        url = self.settings.engine_urls[rank]
+        try:
+            limit = await asyncio.to_thread(_max_model_len, url, LIMIT_ASK_TIMEOUT_S)
+        except ValueError as e:
+            log.warning("kvfold door: engine %d: %s; asked again in %.0f s", rank, e,
+                        LIMIT_ASK_RETRY_S)  # fmt: skip
+            await asyncio.sleep(LIMIT_ASK_RETRY_S)
+            self._asking.discard(rank)
+            return
+        known = set(self.max_model_len.values())
+        if known and limit not in known:
+            log.warning("kvfold door: engine %d's max_model_len is %d, others' %s: the door "
+                        "counts with the least", rank, limit, sorted(known))  # fmt: skip
+        self.max_model_len[rank] = limit
+        self._asking.discard(rank)
+        self._hand_out(self.adm.update_engines(self._engines()))  # it may take queued requests
 
     def _retry_after_s(self) -> float:
         return max(1.0, self.settings.refresh_s)
@@ -312,6 +359,7 @@ class DoorActor:
         if self._view is not None and view.version == self._view.version:
             return
         self._view = view
+        self._learn_limits()
         states = self._engines()
         now = time.time()
         for s in states:

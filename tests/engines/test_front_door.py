@@ -432,3 +432,33 @@ def test_an_engine_killed_mid_run_fails_its_requests_by_name_and_frees_them(door
     )
     assert status == 200 and headers["x-kvfold-engine"] in ("0", "1")
     victim.stop()
+
+
+def test_a_front_door_started_with_an_engine_down_serves_the_others(door: Door) -> None:
+    """Engine 2 is down (killed above; stopped here again, which changes nothing if so). A
+    front door started now asks each engine for its max_model_len only once the engine is
+    live, so it starts on the two that are up, sends requests only there, and keeps engine
+    2 out of every promise; one that waited for all three would time out."""
+    door.fleet.servers[2].stop()
+    with pytest.raises(ValueError, match="engines_live=4"):
+        serve_front_door(door.app.settings, engines_live=4)
+    app = serve_front_door(
+        FrontDoorSettings(
+            engine_urls=tuple(door.fleet.urls), model_dir=door.app.settings.model_dir,
+            namespace=door.kv.namespace, app_name="kvfold-front-door-late",
+            route_prefix="/late", http_port=door.app.settings.http_port,
+        ),
+        engines_live=2,
+    )  # fmt: skip
+    try:
+        seen = app.stats()["engines"]
+        assert [seen[r]["live"] for r in range(ENGINES)] == [True, True, False]
+        assert app.stats()["max_model_len"] == 1024
+        for i in range(4):
+            body = {"model": "tiny-llama", "prompt": [5 + i] * 40, "max_tokens": 2}
+            status, headers, data = post(app.url + "/v1/completions", body)
+            assert status == 200, data
+            assert headers["x-kvfold-engine"] in ("0", "1")
+        wait_until(lambda: all(e["committed_blocks"] == 0 for e in app.stats()["engines"].values()))
+    finally:
+        app.shutdown()
