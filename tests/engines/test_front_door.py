@@ -236,11 +236,15 @@ def test_through_kvfold_no_engine_preempts_where_round_robin_does(door: Door) ->
 
 def test_openai_routes_pass_through_and_what_cannot_be_counted_is_refused(door: Door) -> None:
     body = {"model": "tiny-llama", "prompt": "the rank holds a block", "max_tokens": 6,
-            "stream": True, "ignore_eos": True}  # fmt: skip
+            "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     status, headers, data = door.post("/v1/completions", body)
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     events = [e for e in data.decode().split("\n\n") if e.startswith("data: ")]
-    assert events[-1] == "data: [DONE]" and len(events) >= 7  # a chunk per token, then DONE
+    # text chunks (vLLM may hold a token back until its text is whole), the usage, then DONE
+    assert events[-1] == "data: [DONE]" and len(events) >= 4
+    usage = json.loads(events[-2].removeprefix("data: "))["usage"]
+    assert usage["completion_tokens"] == 6
     # a stream's first token back: its engine has prefilled it, so its prompt no longer
     # counts as prefill there; its blocks stay committed until the stream ends
     body = {"model": "tiny-llama", "prompt": list(range(3, 200)), "max_tokens": 400,
@@ -299,10 +303,13 @@ def test_kvfolds_request_router_routes_a_serve_deployment_of_the_engines(door: D
         "/v1/completions", {"model": "tiny-llama", "prompt": [*prefix, 1], "max_tokens": 2}
     ).result(timeout_s=120)
     engine = first["kvfold_rank"]
-    # the engine's stored blocks reach the index through its KV events
+    # the engine's stored blocks reach the index through its KV events, and the door's copy
+    # of it with the door's next follow (a view newer than the one it had then)
     wait_until(
         lambda: door.kv.client.index().match([*prefix, 2]).gpu.get(engine, 0) == 8, timeout_s=30
     )
+    seen = ray.get(shared.stats.remote())["view_version"]
+    wait_until(lambda: ray.get(shared.stats.remote())["view_version"] > seen, timeout_s=30)
     again = handle.generate.remote(
         "/v1/completions", {"model": "tiny-llama", "prompt": [*prefix, 2], "max_tokens": 2}
     ).result(timeout_s=120)
