@@ -26,8 +26,7 @@ Routing, among the live engines where the request fits:
                   request's and the worker's active ones, and decode blocks), and marks a
                   request's prefill done at its first token as `started()` does here
   least_loaded    least committed fraction of capacity
-Ties go round: to the first tied engine after the one placed last (never always the lowest
-rank, which would load engine 0 with every request that arrives while the engines are idle).
+Ties go to the lower rank.
 """
 
 from __future__ import annotations
@@ -124,8 +123,6 @@ class DoorAdmission:
         self._prefilling: dict[int, int] = {}  # engine -> prefill blocks not yet started
         self._not_started: set[str] = set()  # placed, first token not seen
         self._queue: OrderedDict[str, DoorRequest] = OrderedDict()
-        self._tie_from = 0  # ties go to the first tied rank from here (after the last placed)
-        self._rank_span = 1  # one past the highest rank
         self.placed = 0
         self.expired = 0
         self.refused: dict[str, int] = {}
@@ -158,7 +155,6 @@ class DoorAdmission:
     def update_engines(self, states: Iterable[EngineState]) -> list[Placement]:
         """The engines as a new view shows them; then whatever of the queue now fits."""
         self.engines = {s.rank: s for s in states}
-        self._rank_span = max(self.engines, default=0) + 1
         return self._drain()
 
     def submit(self, request: DoorRequest) -> Placement | None:
@@ -251,24 +247,18 @@ class DoorAdmission:
         def to_prefill(rank: int) -> int:
             return max(request.prompt_blocks - held.get(rank, 0), 0)
 
-        def in_turn(rank: int) -> int:
-            return (rank - self._tie_from) % self._rank_span
-
         if self.policy == PRECISE_PREFIX:
             best = min(
                 fits,
                 key=lambda e: (
                     self.prefix_weight * (to_prefill(e.rank) + self.prefilling(e.rank))
                     + self.committed(e.rank),
-                    in_turn(e.rank),
+                    e.rank,
                 ),
             )
         else:
-            best = min(
-                fits, key=lambda e: (self.committed(e.rank) / e.capacity_blocks, in_turn(e.rank))
-            )
+            best = min(fits, key=lambda e: (self.committed(e.rank) / e.capacity_blocks, e.rank))
         rank = best.rank
-        self._tie_from = rank + 1
         placed = Placement(
             request.request_id, rank, request.need_blocks, held.get(rank, 0), waited,
             to_prefill(rank),

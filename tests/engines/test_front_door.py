@@ -345,10 +345,9 @@ def test_an_engine_failing_before_a_byte_leaves_the_request_to_another_once(door
     """A second front door whose engine rank 0 is reached at a server that answers
     /v1/models as that engine does and drops every request unanswered (an engine dying
     between accepting a request and answering it). kvfold's view holds rank 0 live: it reads
-    the real engine. The door has two engines. Under least_loaded idle engines tie and ties
-    go round, so each request is placed on rank 0 first (the first after rank 1, placed
-    last), fails there before a byte, and is placed once more, on rank 1, whose answer the
-    client gets. Nothing stays committed."""
+    the real engine. Under least_loaded, idle engines tie and the lowest rank wins, so each
+    request is placed on rank 0 first, fails there before a byte, and is placed once more,
+    on rank 1, whose answer the client gets. Nothing stays committed."""
     card = urllib.request.urlopen(door.fleet.urls[0] + "/v1/models", timeout=30).read()
     dropped: list[str] = []
 
@@ -372,7 +371,7 @@ def test_an_engine_failing_before_a_byte_leaves_the_request_to_another_once(door
     threading.Thread(target=standin.serve_forever, daemon=True).start()
     app = serve_front_door(
         FrontDoorSettings(
-            engine_urls=(f"http://127.0.0.1:{standin.server_address[1]}", door.fleet.urls[1]),
+            engine_urls=(f"http://127.0.0.1:{standin.server_address[1]}", *door.fleet.urls[1:]),
             model_dir=door.app.settings.model_dir, namespace=door.kv.namespace,
             policy=LEAST_LOADED, app_name="kvfold-front-door-retry", route_prefix="/retry",
             http_port=door.app.settings.http_port,

@@ -9,7 +9,6 @@ and deadlines.
 - placements go only to live engines the request does not avoid, and under
   precise_prefix to the cheapest by the documented cost (recomputed here, with the
   prefill still pending on each engine: requests whose first token has not come back);
-  ties go round, to the first tied engine after the one placed last;
 - every refusal names its reason and changes nothing.
 """
 
@@ -46,7 +45,6 @@ class DoorMachine(RuleBasedStateMachine):
         self.queued: list[DoorRequest] = []  # submission order
         self.now = 0.0
         self.next_id = 0
-        self.tie_from = 0  # ties go round: from the rank after the one placed last
 
     @rule(policy=st.sampled_from([PRECISE_PREFIX, LEAST_LOADED]))
     @precondition(lambda self: self.adm is None)
@@ -86,9 +84,8 @@ class DoorMachine(RuleBasedStateMachine):
             }
         else:
             cost = {e: committed[e] / CAPACITY[e] for e in fits}
-        best = min(fits, key=lambda e: (cost[e], (e - self.tie_from) % len(CAPACITY)))
-        assert p.rank == best, (p, cost, self.tie_from)
-        self.tie_from = p.rank + 1
+        best = min(fits, key=lambda e: (cost[e], e))
+        assert p.rank == best, (p, cost)
         self.running[req.request_id] = (p.rank, req.need_blocks)
         self.to_prefill[req.request_id] = max(req.prompt_blocks - held.get(p.rank, 0), 0)
 
