@@ -66,7 +66,8 @@ def bootstrap_median_interval(xs: list[float], resamples: int = 2000) -> tuple[f
     """A 95% percentile-bootstrap interval of the median of `xs`."""
     pick = random.Random(1)
     meds = sorted(statistics.median(pick.choices(xs, k=len(xs))) for _ in range(resamples))
-    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples)]
+    k = int(0.025 * resamples)
+    return meds[k], meds[resamples - 1 - k]
 
 
 def timed_post(url: str, body: dict[str, object]) -> tuple[float, dict[str, str]]:

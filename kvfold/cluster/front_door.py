@@ -287,7 +287,7 @@ def serve_front_door(
     answers and `engines_live` engines (None: every one) are fresh in the view with their
     max_model_len known. An engine not up yet is taken when it is."""
     want = len(settings.engine_urls) if engines_live is None else engines_live
-    if not 1 <= want <= len(settings.engine_urls):
+    if type(want) is not int or not 1 <= want <= len(settings.engine_urls):
         raise ValueError(
             f"engines_live={engines_live!r}: allowed: 1..{len(settings.engine_urls)} (the "
             "engines to wait for), or None for every one"
@@ -299,13 +299,19 @@ def serve_front_door(
     door = None
     if settings.shared_door:
         door = start_door(settings)
-        ray.get(door.ready.remote(want), timeout=timeout_s)
+        try:
+            ray.get(door.ready.remote(want), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(
+                f"the door saw fewer than {want} engines live in {timeout_s} s: "
+                f"{ray.get(door.stats.remote())['engines']}"
+            ) from e
     deployment: Any = FrontDoor.options(num_replicas=settings.num_replicas)  # type: ignore[attr-defined]
     serve.run(deployment.bind(settings), name=settings.app_name, route_prefix=settings.route_prefix)
     host = "127.0.0.1" if settings.http_host in ("0.0.0.0", "::") else settings.http_host
     url = f"http://{host}:{settings.http_port}{settings.route_prefix.rstrip('/')}"
     deadline = time.monotonic() + timeout_s
-    while True:  # every engine fresh, as the door sees the view
+    while True:  # `want` engines live, as the door sees the view
         try:
             health = _get_json(url + "/health", timeout_s=10)
             if len(health["live_engines"]) >= want:

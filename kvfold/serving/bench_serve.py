@@ -160,6 +160,10 @@ async def replay_http(
     return out
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 1)
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -181,10 +185,7 @@ def summarize(
     wait = [o.door_wait_s for o in done if o.door_wait_s is not None]
     prompt_tokens = sum(len(r.prompt) for r in requests)
     cached = after.cached_tokens - before.cached_tokens
-
-    def ms(v: float | None) -> float | None:
-        return None if v is None else round(v * 1e3, 1)
-
+    ms = _ms
     return {
         "arm": arm,
         "requests": len(requests),
@@ -222,10 +223,18 @@ def run_arm(
     wall = time.monotonic() - t0
     reset_caches(engine_urls, timeout_s=120.0)  # idle again: every counter is in
     after = engine_counters(engine_urls)
+    sent_straight_to(outcomes, target, engine_urls)
+    return summarize(arm, requests, outcomes, before, after, wall), outcomes
+
+
+def sent_straight_to(
+    outcomes: Sequence[Outcome], target: Callable[[int], str], engine_urls: Sequence[str]
+) -> None:
+    """A request sent to an engine's own URL was answered by that engine: its rank, where
+    no header said it."""
     for i, o in enumerate(outcomes):
         if o.engine is None and target(i) in engine_urls:
             o.engine = list(engine_urls).index(target(i))
-    return summarize(arm, requests, outcomes, before, after, wall), outcomes
 
 
 REQUEST_COLUMNS = ("arm", "request_id", "arrival_s", "prompt_tokens", "max_tokens", "status",
@@ -236,10 +245,7 @@ def request_rows(
     arm: str, requests: Sequence[ServeRequest], outcomes: Sequence[Outcome]
 ) -> list[dict[str, Any]]:
     """One row per request of an arm: when it came, where it went, what the client saw."""
-
-    def ms(v: float | None) -> float | None:
-        return None if v is None else round(v * 1e3, 1)
-
+    ms = _ms
     return [
         {
             "arm": arm,
@@ -328,6 +334,7 @@ __all__ = [
     "request_rows",
     "reset_caches",
     "run_arm",
+    "sent_straight_to",
     "summarize",
     "write_outputs",
 ]

@@ -13,19 +13,17 @@ the engines as one controller would: a promise is made in one place, in order.
 
 What the actor knows of the engines comes from kvfold's view (capacity, block size,
 liveness, the engine's own used blocks) and from each engine's /v1/models (its
-max_model_len, asked once the engine is live in the view, in a thread). An engine down when
-the door starts is taken once it is up; until its limit is known it gets no request. The
-door never calls an engine for a request.
+max_model_len, asked once the engine is live in the view, in a thread:
+kvfold.serving.door_limits). An engine down when the door starts is taken once it is up;
+until its limit is known it gets no request. The door never calls an engine for a request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import pickle
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
@@ -44,6 +42,7 @@ from kvfold.serving.door_admission import (
     blocks_needed,
 )
 from kvfold.serving.door_answers import Admitted, NotAdmitted, QueueRefused, QueueTimeout
+from kvfold.serving.door_limits import EngineLimits
 from kvfold.serving.door_view import CommittedLog, block_sizes, engine_states
 from kvfold.serving.settings import DOOR_ACTOR_NAME, FrontDoorSettings
 from kvfold.view import ClusterView
@@ -52,8 +51,6 @@ from kvfold.worker.hashing import as_token_array, block_keys
 log = logging.getLogger("kvfold")
 
 CROSS_CHECK_LOOKBACK_S = 2.0  # a gauge is compared with the most committed this far back
-LIMIT_ASK_TIMEOUT_S = 5.0  # an engine's /v1/models, asked for its max_model_len
-LIMIT_ASK_RETRY_S = 1.0  # after a failed ask, the engine is asked again this much later
 RELEASED_MEMORY = 10_000  # ids released before their admit arrived, refused if it does
 
 
@@ -75,19 +72,21 @@ class DoorActor:
         self._view: ClusterView | None = None
         self._aggregator: Any = None
         self._log = CommittedLog(settings.engine_ranks, time.time())
-        self.max_model_len: dict[int, int] = {}  # per engine, from its /v1/models
-        self._asking: set[int] = set()  # engines whose /v1/models is being asked
+        self.limits = EngineLimits()  # each engine's max_model_len, asked once it is live
         self.above_committed: dict[int, int] = {}  # reports of used > committed, per engine
         self.follow_failures = 0
         self._follower: asyncio.Task[None] | None = None
 
     # -- the API -------------------------------------------------------------------------
 
-    async def ready(self, engines: int | None = None) -> dict[str, Any]:
-        """Once a followed view shows `engines` engines live (None: every one) and their
-        max_model_len is known: the engines as seen."""
+    async def ready(self, engines_live: int | None = None) -> dict[str, Any]:
+        """Once a followed view shows `engines_live` engines live (None: every one), their
+        max_model_len known: the engines as seen."""
+        n = len(self.settings.engine_urls)
+        want = n if engines_live is None else engines_live
+        if type(want) is not int or not 1 <= want <= n:
+            raise ValueError(f"engines_live={engines_live!r}: allowed: 1..{n}, or None (all)")
         self._ensure_following()
-        want = len(self.settings.engine_urls) if engines is None else engines
         while True:
             if sum(e.live for e in self._engines()) >= want:
                 return self.stats()
@@ -207,6 +206,8 @@ class DoorActor:
                 "running": self.adm.running(r),
                 "prefilling_blocks": self.adm.prefilling(r),
                 "above_committed": self.above_committed.get(r, 0),
+                "max_model_len": self.limits.known(r),  # None: not asked yet, or failed
+                "max_model_len_error": self.limits.last_error.get(r),
             }
         return {
             "engines": engines,
@@ -217,7 +218,7 @@ class DoorActor:
             "policy": self.adm.policy,
             "view_version": self._view.version if self._view is not None else None,
             "follow_failures": self.follow_failures,
-            "max_model_len": min(self.max_model_len.values(), default=None),
+            "max_model_len": self.limits.least(),
         }
 
     def committed_between(self, rank: int, t0: float, t1: float) -> int:
@@ -273,41 +274,26 @@ class DoorActor:
         states = engine_states(
             self._view, self.settings.engine_ranks, self.settings.watermark_blocks
         )
-        return [s if s.rank in self.max_model_len else replace(s, live=False) for s in states]
+        known = self.limits.known
+        return [s if known(s.rank) is not None else replace(s, live=False) for s in states]
 
     def _model_limit(self) -> int:
-        if not self.max_model_len:
+        least = self.limits.least()
+        if least is None:
             raise QueueRefused(
                 "engines_unknown",
                 "no engine's max_model_len is known yet (its /v1/models, asked once it is live)",
                 self._retry_after_s(),
             )
-        return min(self.max_model_len.values())
+        return least
 
     def _learn_limits(self) -> None:
-        """Ask every engine live in the view, whose max_model_len is not known, for it."""
+        """Ask the engines live in the view, whose max_model_len is not known, for it."""
         raw = engine_states(self._view, self.settings.engine_ranks, self.settings.watermark_blocks)
-        for s in raw:
-            if s.live and s.rank not in self.max_model_len and s.rank not in self._asking:
-                self._asking.add(s.rank)
-                asyncio.get_running_loop().create_task(self._ask_limit(s.rank))
+        live = {e.rank: self.settings.engine_urls[e.rank] for e in raw if e.live}
+        self.limits.learn(live, self._limit_learned)
 
-    async def _ask_limit(self, rank: int) -> None:
-        url = self.settings.engine_urls[rank]
-        try:
-            limit = await asyncio.to_thread(_max_model_len, url, LIMIT_ASK_TIMEOUT_S)
-        except ValueError as e:
-            log.warning("kvfold door: engine %d: %s; asked again in %.0f s", rank, e,
-                        LIMIT_ASK_RETRY_S)  # fmt: skip
-            await asyncio.sleep(LIMIT_ASK_RETRY_S)
-            self._asking.discard(rank)
-            return
-        known = set(self.max_model_len.values())
-        if known and limit not in known:
-            log.warning("kvfold door: engine %d's max_model_len is %d, others' %s: the door "
-                        "counts with the least", rank, limit, sorted(known))  # fmt: skip
-        self.max_model_len[rank] = limit
-        self._asking.discard(rank)
+    def _limit_learned(self) -> None:
         self._hand_out(self.adm.update_engines(self._engines()))  # it may take queued requests
 
     def _retry_after_s(self) -> float:
@@ -373,20 +359,6 @@ class DoorActor:
                         s.rank, s.used_blocks, most,
                     )  # fmt: skip
         self._hand_out(self.adm.update_engines(states))
-
-
-def _max_model_len(url: str, timeout_s: float = 30.0) -> int:
-    """The engine's max_model_len, from its /v1/models (vLLM, SGLang and trtllm-serve all
-    serve it; vLLM's card carries max_model_len)."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout_s) as r:
-            cards = json.loads(r.read())["data"]
-        return int(cards[0]["max_model_len"])
-    except Exception as e:
-        raise ValueError(
-            f"engine {url}: /v1/models did not give a max_model_len ({e!r}); allowed: a "
-            "running engine's OpenAI server"
-        ) from e
 
 
 def start_door(settings: FrontDoorSettings, detached: bool = False) -> Any:

@@ -11,6 +11,7 @@ from kvfold.serving.bench_serve import (
     EngineCounters,
     Outcome,
     request_rows,
+    sent_straight_to,
     summarize,
     write_outputs,
 )
@@ -39,7 +40,8 @@ def test_an_arms_row_counts_what_the_client_and_the_engines_saw() -> None:
     assert (row["requests"], row["completed"], row["refused_429"], row["failed"]) == (10, 8, 1, 1)
     assert row["prompt_tokens"] == sum(10 * (i + 1) for i in range(10))
     assert row["cached_tokens"] == 60 and row["preemptions"] == 0
-    # percentiles over the 8 answered only: TTFTs 10..80 ms, the failed stream's 500 left out
+    # percentiles over the 8 answered only, TTFTs 10, 20, ..., 80 ms (the failed stream's
+    # 500 ms left out): p50 is sorted[int(0.5 x 8)] = sorted[4] = 50, p90 sorted[7] = 80
     assert (row["ttft_p50_ms"], row["ttft_p90_ms"]) == (50.0, 80.0)
     assert row["door_wait_p50_ms"] is None  # no front door said how long it waited
 
@@ -54,8 +56,24 @@ def test_every_requests_row_is_written_and_read_back(tmp_path: Path) -> None:
     }  # fmt: skip
     with open(tmp_path / "bench_serve_requests.csv", encoding="utf-8") as f:
         back = list(csv.DictReader(f))
-    assert [list(r) for r in back] == [list(REQUEST_COLUMNS)] * 10
+    assert len(back) == 10 and list(back[0]) == list(REQUEST_COLUMNS)
     assert [r["request_id"] for r in back] == [r.request_id for r in requests]
-    assert back[3]["engine"] == "0" and back[3]["ttft_ms"] == "40.0"
+    assert {r["arm"] for r in back} == {"round_robin"}
+    # request 3: engine 3 % 3 = 0, TTFT 0.01 x (3 + 1) s = 40.0 ms, e2e 0.1 x 4 s = 400.0 ms,
+    # arrival 3 x 0.5 s, prompt 10 x (3 + 1) tokens
+    assert (back[3]["engine"], back[3]["ttft_ms"], back[3]["e2e_ms"]) == ("0", "40.0", "400.0")
+    assert (back[3]["arrival_s"], back[3]["prompt_tokens"]) == ("1.5", "40")
     assert back[8]["status"] == "429" and back[8]["engine"] == "" and back[8]["error"]
+    assert back[9]["status"] == "200" and "engine_failed" in back[9]["error"]
     assert json.loads((tmp_path / "bench_serve.json").read_text())["rows"] == [row]
+
+
+def test_a_request_sent_to_an_engines_own_url_is_that_engines() -> None:
+    urls = ["http://e0", "http://e1", "http://e2"]
+    said = Outcome(200, engine=1)  # a header said which engine answered: kept
+    outcomes = [Outcome(200), Outcome(200), said, Outcome(429)]
+    sent_straight_to(outcomes, lambda i: urls[i % 3], urls)  # round robin
+    assert [o.engine for o in outcomes] == [0, 1, 1, 0]
+    through = [Outcome(200)]
+    sent_straight_to(through, lambda i: "http://proxy/engines", urls)  # not an engine's URL
+    assert through[0].engine is None
