@@ -40,7 +40,11 @@ def bench_serve_parser(sub: Any) -> None:
                    help="precise_prefix: blocks to prefill against blocks held")  # fmt: skip
     b.add_argument("--arms", default=",".join(("round_robin", "serve_default", "least_loaded",
                                                 "precise_prefix")))  # fmt: skip
-    b.add_argument("--out", default="kvfold-out", help="where bench_serve.{json,csv,png} go")
+    b.add_argument(
+        "--out",
+        default="kvfold-out",
+        help="where bench_serve.{json,csv,png} and bench_serve_requests.csv go",
+    )
     b.set_defaults(fn=cmd_bench_serve)
 
 
