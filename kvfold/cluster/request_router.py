@@ -60,35 +60,46 @@ class KVFoldRequestRouter(RequestRouter):
             return [candidate_replicas]
         key = pending_request.metadata.internal_request_id
         held = self._admitted.get(key)
+        if pending_request.future.done():  # refused, or its caller went away: route no more
+            if held is not None:
+                self.on_request_completed(None, key)
+            return [candidate_replicas]  # Serve sees the future done and stops asking
         if held is None:
             try:
                 req = _request_of(pending_request)
                 ids = self._ids(req)
             except BadRequest as e:
-                return self._refuse(pending_request, DoorRefused(str(e)))
+                return self._refuse(pending_request, DoorRefused(str(e)), candidate_replicas)
             rid = f"router-{uuid.uuid4().hex}"
             try:
                 door = self._the_door()
             except ValueError:
-                return self._refuse(pending_request, DoorRefused(
+                no_door = DoorRefused(
                     f"no kvfold door in namespace {self._namespace!r}: start one with "
-                    "kvfold.serving.door_actor.start_door(settings)"))  # fmt: skip
+                    "kvfold.serving.door_actor.start_door(settings)"
+                )
+                return self._refuse(pending_request, no_door, candidate_replicas)
             admitted = await door.admit.remote(rid, ids, req.max_tokens, req.n)
             if isinstance(admitted, NotAdmitted) and admitted.reason == "engines_unknown":
-                return []  # the door has not seen the engines yet: Serve backs off, asks again
+                return _later(pending_request)  # the door has not seen the engines yet
             if isinstance(admitted, NotAdmitted):
-                return self._refuse(pending_request, DoorRefused(admitted.message))
+                return self._refuse(pending_request, DoorRefused(admitted.message),
+                                    candidate_replicas)  # fmt: skip
             held = self._admitted[key] = (rid, admitted)
         rank = held[1].rank
         chosen = [r for r in candidate_replicas if r.routing_stats.get("kvfold_rank") == rank]
-        return [chosen] if chosen else []  # not seen yet: Serve backs off and asks again
+        return [chosen] if chosen else _later(pending_request)  # its replica not seen yet
 
-    def _refuse(self, pending: PendingRequest, error: Exception) -> list[list[RunningReplica]]:
-        """Fail the handle call (Serve's router only logs what choose_replicas raises)."""
+    def _refuse(
+        self, pending: PendingRequest, error: Exception, candidates: list[RunningReplica]
+    ) -> list[list[RunningReplica]]:
+        """Fail the handle call (Serve's router only logs what choose_replicas raises).
+        Candidates are returned so that Serve looks again, sees the future done and stops:
+        an empty answer without backoff has it ask again at once, forever."""
         self.refused += 1
         if not pending.future.done():
             pending.future.set_exception(error)
-        return []
+        return [candidates] if candidates else []
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
         held = self._admitted.pop(internal_request_id, None)
@@ -108,6 +119,13 @@ class KVFoldRequestRouter(RequestRouter):
             self._tokenizer = PromptTokenizer(self._model_dir)
         ids: list[int] = self._tokenizer.ids(req)
         return ids
+
+
+def _later(pending: PendingRequest) -> list[list[RunningReplica]]:
+    """Nothing yet: Serve backs off before asking again (without should_backoff it asks
+    again at once, in a loop that holds its event loop)."""
+    pending.routing_context.should_backoff = True
+    return []
 
 
 def _request_of(pending: PendingRequest) -> OpenAIRequest:

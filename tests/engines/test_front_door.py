@@ -43,7 +43,7 @@ from ray import serve
 from kvfold.cluster import launch, start_local_cluster
 from kvfold.cluster.engine_replica import engine_deployment
 from kvfold.cluster.front_door import FrontDoorApp, serve_front_door
-from kvfold.cluster.request_router import kvfold_router_config
+from kvfold.cluster.request_router import DoorRefused, kvfold_router_config
 from kvfold.engines.vllm_metrics import parse_vllm_metrics
 from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port
 from kvfold.serving.door_actor import start_door
@@ -321,6 +321,15 @@ def test_kvfolds_request_router_routes_a_serve_deployment_of_the_engines(door: D
         ),
         timeout_s=30,
     )
+    assert ray.get(shared.stats.remote())["placed"] == 2
+    # what the door refuses fails the handle call by name, and places nothing
+    for body, match in (
+        ({"prompt": [5] * 1100, "max_tokens": 2}, "prompt_too_long"),
+        ({"prompt": [5] * 40, "max_tokens": 0}, "max_tokens"),
+    ):
+        call = handle.generate.remote("/v1/completions", {"model": "tiny-llama", **body})
+        with pytest.raises(DoorRefused, match=match):
+            call.result(timeout_s=60)
     assert ray.get(shared.stats.remote())["placed"] == 2
     serve.delete("engines-routed")
     ray.kill(shared)
