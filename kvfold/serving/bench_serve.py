@@ -185,7 +185,6 @@ def summarize(
     wait = [o.door_wait_s for o in done if o.door_wait_s is not None]
     prompt_tokens = sum(len(r.prompt) for r in requests)
     cached = after.cached_tokens - before.cached_tokens
-    ms = _ms
     return {
         "arm": arm,
         "requests": len(requests),
@@ -196,13 +195,13 @@ def summarize(
         "cached_tokens": cached,
         "cached_fraction": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
         "preemptions": after.preemptions - before.preemptions,
-        "ttft_p50_ms": ms(_pct(ttft, 0.5)),
-        "ttft_p90_ms": ms(_pct(ttft, 0.9)),
-        "ttft_p99_ms": ms(_pct(ttft, 0.99)),
-        "door_wait_p50_ms": ms(_pct(wait, 0.5)),
-        "door_wait_p90_ms": ms(_pct(wait, 0.9)),
-        "e2e_p50_ms": ms(_pct(e2e, 0.5)),
-        "e2e_p90_ms": ms(_pct(e2e, 0.9)),
+        "ttft_p50_ms": _ms(_pct(ttft, 0.5)),
+        "ttft_p90_ms": _ms(_pct(ttft, 0.9)),
+        "ttft_p99_ms": _ms(_pct(ttft, 0.99)),
+        "door_wait_p50_ms": _ms(_pct(wait, 0.5)),
+        "door_wait_p90_ms": _ms(_pct(wait, 0.9)),
+        "e2e_p50_ms": _ms(_pct(e2e, 0.5)),
+        "e2e_p90_ms": _ms(_pct(e2e, 0.9)),
         "wall_s": round(wall_s, 1),
     }
 
@@ -245,7 +244,6 @@ def request_rows(
     arm: str, requests: Sequence[ServeRequest], outcomes: Sequence[Outcome]
 ) -> list[dict[str, Any]]:
     """One row per request of an arm: when it came, where it went, what the client saw."""
-    ms = _ms
     return [
         {
             "arm": arm,
@@ -255,9 +253,9 @@ def request_rows(
             "max_tokens": r.max_tokens,
             "status": o.status,
             "engine": o.engine,
-            "ttft_ms": ms(o.ttft_s),
-            "e2e_ms": ms(o.e2e_s),
-            "door_wait_ms": ms(o.door_wait_s),
+            "ttft_ms": _ms(o.ttft_s),
+            "e2e_ms": _ms(o.e2e_s),
+            "door_wait_ms": _ms(o.door_wait_s),
             "error": o.error,
         }
         for r, o in zip(requests, outcomes, strict=True)

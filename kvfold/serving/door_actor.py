@@ -268,14 +268,17 @@ class DoorActor:
             )
         return sizes.pop()
 
-    def _engines(self) -> list[EngineState]:
-        """The engines as the view shows them; one whose max_model_len is not known yet is
-        not live (the door cannot count a request's end there)."""
-        states = engine_states(
-            self._view, self.settings.engine_ranks, self.settings.watermark_blocks
-        )
+    def _engines(self, seen: list[EngineState] | None = None) -> list[EngineState]:
+        """The engines as the view shows them (`seen`: as already read from it); one whose
+        max_model_len is not known yet is not live (the door cannot count a request's end
+        there)."""
+        if seen is None:
+            seen = self._seen()
         known = self.limits.known
-        return [s if known(s.rank) is not None else replace(s, live=False) for s in states]
+        return [s if known(s.rank) is not None else replace(s, live=False) for s in seen]
+
+    def _seen(self) -> list[EngineState]:
+        return engine_states(self._view, self.settings.engine_ranks, self.settings.watermark_blocks)
 
     def _model_limit(self) -> int:
         least = self.limits.least()
@@ -287,10 +290,9 @@ class DoorActor:
             )
         return least
 
-    def _learn_limits(self) -> None:
+    def _learn_limits(self, seen: list[EngineState]) -> None:
         """Ask the engines live in the view, whose max_model_len is not known, for it."""
-        raw = engine_states(self._view, self.settings.engine_ranks, self.settings.watermark_blocks)
-        live = {e.rank: self.settings.engine_urls[e.rank] for e in raw if e.live}
+        live = {e.rank: self.settings.engine_urls[e.rank] for e in seen if e.live}
         self.limits.learn(live, self._limit_learned)
 
     def _limit_learned(self) -> None:
@@ -345,8 +347,9 @@ class DoorActor:
         if self._view is not None and view.version == self._view.version:
             return
         self._view = view
-        self._learn_limits()
-        states = self._engines()
+        seen = self._seen()  # read once per view: the limits asked, the engines gated
+        self._learn_limits(seen)
+        states = self._engines(seen)
         now = time.time()
         for s in states:
             if s.used_blocks is not None and s.live:
