@@ -1,8 +1,11 @@
 """What every kvfold actor shares, on the Ray side: one background loop, calls in flight,
 and asking a named actor itself whether it lives.
 
-    BackgroundLoop(name, interval_s, step)   runs step() every interval_s or when woken,
-                                             on one daemon thread; failures are logged
+    BackgroundLoop(name, interval_s, step)   runs step() every interval_s (on a phase,
+                                             when given), when woken, or by a time asked
+                                             for (wake_at), on one daemon thread; failures
+                                             are logged
+    node_phase_s                             the phase a node's ranks report on
     InFlight                                 calls sent and not waited on: answers are
                                              counted as they come, never waited on long
     incarnation_of / is_gone / gone_among    a named actor's own word
@@ -18,6 +21,7 @@ Library code logs to the `kvfold` logger; nothing here prints.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -42,17 +46,28 @@ LOOP_ERRORS = (RayError, ValueError, RuntimeError, OSError)
 
 
 class BackgroundLoop:
-    """One daemon thread running `step()` every `interval_s`, or sooner when woken."""
+    """One daemon thread running `step()` every `interval_s`, or sooner: when woken, or
+    at the earliest time asked for since its last step (`wake_at`). With `phase_s`, the
+    periodic steps fall on `phase_s + k x interval_s` of time.monotonic(): loops of one
+    machine given one phase step together."""
 
     def __init__(
-        self, name: str, interval_s: float, step: Callable[[], None], min_gap_s: float = 0.0
+        self,
+        name: str,
+        interval_s: float,
+        step: Callable[[], None],
+        min_gap_s: float = 0.0,
+        phase_s: float | None = None,
     ) -> None:
         self.name = name
         self.interval_s = interval_s
+        self.phase_s = phase_s
         self.step = step
         self.min_gap_s = min_gap_s  # coalesce bursts of wake-ups into one step
         self.failures = 0
-        self._wake = threading.Event()
+        self._cv = threading.Condition()
+        self._woken = False
+        self._due = float("inf")  # the earliest wake_at since the last step (monotonic s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -61,16 +76,35 @@ class BackgroundLoop:
         return self
 
     def wake(self) -> None:
-        self._wake.set()
+        with self._cv:
+            self._woken = True
+            self._cv.notify()
+
+    def wake_at(self, when_s: float) -> None:
+        """Step no later than `when_s` (time.monotonic()), unless it steps sooner."""
+        with self._cv:
+            if when_s < self._due:
+                self._due = when_s
+                self._cv.notify()
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self.wake()
+
+    def _wait(self) -> None:
+        """Until woken, the time asked for, or interval_s from now; then forget both."""
+        deadline = next_tick_s(time.monotonic(), self.interval_s, self.phase_s)
+        with self._cv:
+            while not self._woken:
+                left = min(deadline, self._due) - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            self._woken, self._due = False, float("inf")
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
+            self._wait()
             if self._stop.is_set():
                 return
             try:
@@ -80,6 +114,22 @@ class BackgroundLoop:
                 log.warning("%s: step failed: %s: %s", self.name, type(e).__name__, e)
             if self.min_gap_s:
                 self._stop.wait(self.min_gap_s)
+
+
+def next_tick_s(now_s: float, interval_s: float, phase_s: float | None) -> float:
+    """A loop's next periodic step after `now_s`: an interval on, or the next time on its
+    phase (`phase_s + k x interval_s`, after now and at most an interval on)."""
+    if phase_s is None:
+        return now_s + interval_s
+    return phase_s + (math.floor((now_s - phase_s) / interval_s) + 1) * interval_s
+
+
+def node_phase_s(node: int, interval_s: float) -> float:
+    """The phase of a node's rank reports within the interval: ranks of one node report
+    together (their node then pushes once a round is in, soon after), and nodes spread
+    evenly over the interval (a golden-ratio sequence), so the aggregator is not sent
+    every node's push at once."""
+    return (node * 0.6180339887498949) % 1.0 * interval_s
 
 
 class InFlight(Generic[T]):

@@ -3,7 +3,9 @@ HostTierServer (kvfold.hosttier).
 
 Takes rank reports (msgpack bytes), keeps per-rank freshness, folds the node, serves
 the node's host KV tier, and pushes the node's report to the cluster aggregator every
-`report_interval_s` and soon after a rank report arrives. Its ranks' block-event
+`report_interval_s`, as soon as each of its fresh ranks has reported since the last push
+(a round), half an interval after a round's first report at the latest, and at once after
+a report its rank marked urgent (a change a scheduler waits to see). Its ranks' block-event
 batches (and its host tier's) wait in an outbox and go with the report: one call per
 node and interval, however many ranks (docs/scale.md). Pushes go out from one
 background loop, so answering ranks never waits on the aggregator.
@@ -46,7 +48,10 @@ from kvfold.worker.config import BlockLayout
 
 VERIFY_TIMEOUT_S = 2.0
 MAX_INFLIGHT = 64
-MIN_PUSH_GAP_S = 0.005  # coalesce bursts of rank reports into one node report
+MIN_PUSH_GAP_S = 0.005  # coalesce bursts of urgent rank reports into one node report
+# a round's first rank report waits at most this many intervals for the node's other ranks
+# (docs/scale.md: pushes per interval against the latency it adds)
+ROUND_WAIT = 0.5
 MAX_OUTBOX_BATCHES = 2048  # event batches waiting for the next push; past it the oldest
 # are dropped (counted): their sources see a gap and resynchronise from a snapshot
 
@@ -95,15 +100,22 @@ class HostKVActor:
     # ------------------------------------------------------------ from ranks
 
     @ray.method(concurrency_group="reports")
-    def report(self, data: bytes) -> str:
+    def report(self, data: bytes, urgent: bool = False) -> str:
         """A rank's report: "accepted", "late", or the reason it was refused (counted).
+        `urgent`: push it now, without waiting for the node's other ranks.
 
         Runs in a one-thread concurrency group, so reports are taken one at a time; the
         few that still arrive out of order are folded as late (docs/decisions.md).
         """
         verdict = self.state.receive(data, time.monotonic, self._verify_rank, self.lock)
         if verdict in (ACCEPTED, LATE):
-            self.loop.wake()
+            with self.lock:
+                if urgent or self.state.round_complete(time.monotonic()):
+                    self.loop.wake()
+                else:  # ranks out of step: what came in waits for the round, not long
+                    self.loop.wake_at(
+                        self.state.round_started_s + ROUND_WAIT * self.report_interval_s
+                    )
         return verdict
 
     def _verify_rank(self, rank: int, incarnation: int) -> bool:
@@ -219,6 +231,7 @@ class HostKVActor:
         """The report and the outbox in one call. Batches of a push that fails are lost:
         each of their sources then sees a gap and resynchronises (kvfold.blockindex.feed)."""
         with self.lock:
+            self.state.start_round()
             util = self.state.fold(time.monotonic(), self.host.stats())
             self.seq += 1
             data = encode_node_report(

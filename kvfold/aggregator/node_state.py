@@ -2,6 +2,12 @@
 
     receive(bytes, now_s) -> "accepted" | a refusal reason   (decode, validate, dedupe)
     fold(now_s, host) -> NodeUtilization                    (fresh ranks only)
+    round_complete(now_s) / start_round()                   (when the node pushes)
+
+A node pushes once a round is in: every fresh rank has reported since its last push (or
+at its interval, or at once for a report its rank marked urgent: kvfold.aggregator
+.node_actor). Ranks report out of step; a push per rank report would make the node's one
+call per interval R calls (docs/scale.md).
 
 Refusals are counted by reason and change nothing. Each rank's counters are the
 sum of every delta accepted from it, across its incarnations, so they never go
@@ -37,6 +43,8 @@ class NodeState(ReportReceiver[RankReport]):
         self.windows = None if windows is None else frozenset(windows)
         self.latest: dict[int, RankReport] = {}
         self.counters: dict[int, IterationStats] = {}
+        self.reported: set[int] = set()  # ranks with a report in since the last push
+        self.round_started_s = 0.0  # when the first of them came in
 
     def _decode(self, data: bytes) -> RankReport:
         return decode_rank_report(data, self.topology, self.node, self.windows)
@@ -47,11 +55,25 @@ class NodeState(ReportReceiver[RankReport]):
     def _fold(self, report: RankReport, verdict: Verdict, now_s: float) -> str:
         if verdict.current:
             self.latest[report.rank] = report
+            if not self.reported:
+                self.round_started_s = now_s
+            self.reported.add(report.rank)
         old = self.counters.get(report.rank)
         self.counters[report.rank] = IterationStats(
             sum_deltas([old.windows, report.deltas]) if old else dict(report.deltas)
         )
         return ACCEPTED if verdict.current else verdict.value
+
+    def round_complete(self, now_s: float) -> bool:
+        """Every fresh rank has reported since the last push (and one at least has)."""
+        if not self.reported:
+            return False
+        states = self.rank_states(now_s)
+        return all(r in self.reported for r, s in states.items() if s is SourceState.FRESH)
+
+    def start_round(self) -> None:
+        """A push is being folded: reports from now on count toward the next round."""
+        self.reported.clear()
 
     def rank_states(self, now_s: float) -> dict[int, SourceState]:
         return {r: self.freshness.state(r, now_s) for r in self.topology.ranks_on(self.node)}

@@ -36,7 +36,7 @@ from kvfold.engines.engine_readers import HttpEventsPoller, ZmqReader
 from kvfold.engines.kinds import engine_kind
 from kvfold.engines.vllm_metrics import MetricsError
 from kvfold.naming import node_actor_name
-from kvfold.ray_actor import BackgroundLoop, EventPublisher, InFlight, named_actor
+from kvfold.ray_actor import BackgroundLoop, EventPublisher, InFlight, named_actor, node_phase_s
 from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus
 from kvfold.topology import Topology
 
@@ -82,7 +82,10 @@ class EngineRankActor:
                 endpoints, self.intake, report_interval_s, f"kvfold engine rank {rank} events"
             )
         self.loop = BackgroundLoop(
-            f"kvfold engine rank {rank}", report_interval_s, self._tick
+            f"kvfold engine rank {rank}",
+            report_interval_s,
+            self._tick,
+            phase_s=node_phase_s(self.node, report_interval_s),  # with its node's other ranks
         ).start()
 
     # ------------------------------------------------------------------ events

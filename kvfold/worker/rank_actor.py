@@ -21,7 +21,7 @@ import ray
 from kvfold.blockindex.events import RANK
 from kvfold.blockindex.feed import Snapshot
 from kvfold.naming import node_actor_name
-from kvfold.ray_actor import BackgroundLoop, EventPublisher, named_actor
+from kvfold.ray_actor import BackgroundLoop, EventPublisher, named_actor, node_phase_s
 from kvfold.stats import (
     BlockDeltas,
     BlockGauges,
@@ -85,7 +85,13 @@ class RankWorker(RankCalls):
         self._refused_before = 0  # refusals counted by caches this rank has rebound
         self.reports = RankReporter(self.lock, self.node_handle, self._make_report)
         self.events = EventPublisher(RANK, rank, self.incarnation, namespace, via_node=self.node)
-        self.loop = BackgroundLoop(f"kvfold rank {rank} reporter", report_interval_s, self._tick)
+        self.urgent = False  # the next report is pushed on at once (kvfold.worker.rank_calls_actor)
+        self.loop = BackgroundLoop(
+            f"kvfold rank {rank} reporter",
+            report_interval_s,
+            self._tick,
+            phase_s=node_phase_s(self.node, report_interval_s),  # with its node's other ranks
+        )
         if config is not None:
             self._bind(config)
         self.loop.start()
@@ -206,15 +212,15 @@ class RankWorker(RankCalls):
     def report_now(self) -> str:
         """Build and push one report and this rank's block events, waiting for the
         answers (for drivers and tests)."""
-        with self.reports.lock:
-            verdict = self.reports.push(wait_s=ACK_TIMEOUT_S)
+        with self.reports.lock:  # events first: the push the report sets off carries them
             self._publish_events(wait_s=ACK_TIMEOUT_S)
-            return verdict
+            return self.reports.push(wait_s=ACK_TIMEOUT_S, urgent=True)
 
     def _tick(self) -> None:
         with self.reports.lock:
-            self.reports.push(wait_s=3 * self.report_interval_s)
-            self._publish_events(wait_s=0.0)
+            urgent, self.urgent = self.urgent, False
+            self._publish_events(wait_s=0.0)  # sent before the report that may set off a push
+            self.reports.push(wait_s=3 * self.report_interval_s, urgent=urgent)
 
     # ------------------------------------------------------------ block events
 

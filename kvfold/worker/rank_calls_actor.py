@@ -35,6 +35,7 @@ class RankCalls:
     engine: Engine | None
     tickets: TicketBook  # per controller, the highest ticket taken in
     loop: BackgroundLoop  # the reporter's: woken after a change when asked
+    urgent: bool  # a change was asked to be reported: the next report is pushed on at once
 
     def _cache(self) -> PagedKVCache:
         if self.cache is None:
@@ -43,6 +44,7 @@ class RankCalls:
 
     def _changed(self, report: bool) -> None:
         if report:
+            self.urgent = True
             self.loop.wake()
 
     def add_sequence(
@@ -166,4 +168,4 @@ class RankCalls:
         with self.lock:
             if self.engine is not None:
                 self.engine.drain()
-        self.loop.wake()
+        self._changed(True)

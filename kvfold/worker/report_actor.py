@@ -73,8 +73,9 @@ class RankReporter:
         answers = self.inflight.settle(answered, lost)
         return {r: a if isinstance(a, str) else "node_unavailable" for r, a in answers.items()}
 
-    def push(self, wait_s: float) -> str:
-        """Send one report; wait up to `wait_s` for its answer, else leave it in flight."""
+    def push(self, wait_s: float, urgent: bool = False) -> str:
+        """Send one report; wait up to `wait_s` for its answer, else leave it in flight.
+        `urgent`: the node pushes it on at once, not with its other ranks' round."""
         self.settle()
         if len(self.inflight) >= MAX_INFLIGHT_REPORTS:
             return "backlogged"  # the node is not answering: deltas keep accumulating
@@ -84,7 +85,7 @@ class RankReporter:
             self.restore(report)
             self.failed += 1
             return "node_unavailable"
-        ref = node.report.remote(encode_rank_report(report))
+        ref = node.report.remote(encode_rank_report(report), urgent)
         self.inflight.add(ref, report)
         self.inflight.wait(wait_s, last_only=True)
         return self.settle().get(ref, "in_flight")

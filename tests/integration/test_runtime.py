@@ -58,6 +58,26 @@ def test_view_has_three_nodes_of_4_4_2_all_fresh(kv) -> None:  # type: ignore[no
         assert info["ray_node_id"] == kv.ray_node_ids[info["node"]]
 
 
+def test_a_node_pushes_once_a_round_of_its_ranks_is_in(kv) -> None:  # type: ignore[no-untyped-def]
+    """Ranks report on their node's phase, and the node pushes once each has reported: about
+    one push per interval, not one per rank report (node 0 has 4 ranks; before, 3.5)."""
+    import ray
+
+    kv.wait_until_fresh()
+    node, ranks = kv.node_handles[0], kv.rank_handles[:4]
+
+    def seqs() -> list[int]:
+        return [info["seq"] for info in ray.get([h.info.remote() for h in ranks])]
+
+    seq0, pushes0 = seqs(), ray.get(node.counts.remote())["pushes"]
+    wait_until(lambda: min(s - s0 for s, s0 in zip(seqs(), seq0, strict=True)) >= 20, timeout_s=60)
+    pushes = ray.get(node.counts.remote())["pushes"] - pushes0
+    rounds = max(s - s0 for s, s0 in zip(seqs(), seq0, strict=True))
+    # a rank late for its round (a busy machine) makes the node push half an interval on:
+    # at most two pushes per interval, never one per rank
+    assert pushes <= 2 * rounds + 2, (pushes, rounds)
+
+
 def test_sequences_show_up_with_exact_block_counts(kv) -> None:  # type: ignore[no-untyped-def]
     before = kv.view()
     # rank 1: 10 tokens -> full: ceil(10/4) = 3; window 8: blocks meeting [2, 10) = 0..2 -> 3
