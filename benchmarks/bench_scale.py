@@ -125,17 +125,17 @@ class Reader:
     """A controller following the aggregator (views as deltas, the index as ops),
     deciding continuously with precise routing."""
 
-    def __init__(self, aggregator: Any, world_size: int, epoch: float) -> None:
+    def __init__(self, aggregator: Any, world_size: int, epoch: float, namespace: str) -> None:
         self.agg = aggregator
         self.world_size = world_size
         self.epoch = epoch
+        self.namespace = namespace
 
     def run(self, seconds: float) -> dict[str, Any]:
-        import pickle
-
         import ray
 
         from kvfold.admission import AdmissionController, AdmissionRequest
+        from kvfold.aggregator.index_client import IndexClient
         from kvfold.aggregator.view_delta import ViewReader
         from kvfold.blockindex.events import BlockStored
         from kvfold.workload.fleet_load import SHARED_TAG, probe_sent_s, report_sent_s
@@ -166,10 +166,11 @@ class Reader:
             view_bytes.append(held["bytes"])
             return view
 
+        keepers = IndexClient(self.namespace)  # the aggregator, or each rack's shard
+
         def index_since(cursor: Any) -> Any:
-            data = ray.get(self.agg.block_index_since.remote(cursor))
-            index_bytes.append(len(data))
-            now, ops, whole = pickle.loads(data)
+            now, ops, whole = keepers.since(cursor)
+            index_bytes.append(keepers.last_bytes)
             if not whole:
                 seen = time.time()
                 for op in ops:
@@ -180,7 +181,7 @@ class Reader:
                             sent = probe_sent_s(e.block_hashes[0])
                             if sent is not None:
                                 lag_s.append(seen - sent)
-            return tuple(now), ops, whole
+            return now, ops, whole
 
         ctl = AdmissionController(
             fetch_view, index_source=index_since, router="precise_prefix", refresh_interval_s=1e9
@@ -236,32 +237,40 @@ def run_one(
     import ray
 
     from kvfold.aggregator.cluster_actor import ClusterAggregator
-    from kvfold.aggregator.rack_actor import RackAggregator
+    from kvfold.aggregator.rack_actor import (
+        RACK_CONCURRENCY_GROUPS,
+        RACK_MAX_CONCURRENCY,
+        RackAggregator,
+    )
     from kvfold.naming import AGGREGATOR_NAME, rack_actor_name
 
     world = num_nodes * RANKS_PER_NODE
     ns = f"kvfold-scale-{mode}-{num_nodes}"
     agg_cls = ray.remote(concurrency_groups={"reports": 1, "events": 1})(ClusterAggregator)
+    rank_to_node = [n for n in range(num_nodes) for _ in range(RANKS_PER_NODE)]
     agg = agg_cls.options(
         name=AGGREGATOR_NAME, num_cpus=0, namespace=ns, max_concurrency=32
     ).remote(
-        [n for n in range(num_nodes) for _ in range(RANKS_PER_NODE)],
+        rank_to_node,
         [None],
         namespace=ns,
         report_interval_s=INTERVAL_S,
         stale_after_s=3 * INTERVAL_S,
         dead_after_s=30 * INTERVAL_S,
         verify_sources=False,
+        nodes_per_rack=per_rack if mode == "racked" else 0,  # racks keep the index then
     )
     nan = float("nan")
     racks = []
     if mode == "racked":  # named as launch names them: they find the aggregator by name
+        rack_cls = ray.remote(concurrency_groups=RACK_CONCURRENCY_GROUPS)(RackAggregator)
         racks = [
-            ray.remote(RackAggregator)
-            .options(name=rack_actor_name(i), namespace=ns, num_cpus=0)
-            .remote(i, namespace=ns, report_interval_s=INTERVAL_S)
+            rack_cls.options(
+                name=rack_actor_name(i), namespace=ns, num_cpus=0,
+                max_concurrency=RACK_MAX_CONCURRENCY,
+            ).remote(i, rank_to_node, namespace=ns, report_interval_s=INTERVAL_S)
             for i in range(-(-num_nodes // per_rack))
-        ]
+        ]  # fmt: skip
     epoch = time.time()
     bounds = [num_nodes * d // drivers for d in range(drivers + 1)]
     load = [
@@ -270,19 +279,29 @@ def run_one(
         .remote(lo, hi, num_nodes, events, agg, epoch, racks, per_rack)
         for lo, hi in itertools.pairwise(bounds)
     ]
-    reader = ray.remote(Reader).options(num_cpus=0).remote(agg, world, epoch)
+    reader = ray.remote(Reader).options(num_cpus=0).remote(agg, world, epoch, ns)
     ray.get(agg.ping.remote())
-    applied0 = ray.get(agg.block_index_counts.remote())["applied"]
+    keepers = racks or [agg]  # who keeps the block index: the racks' shards, or the aggregator
+
+    def applied() -> int:
+        return sum(c["applied"] for c in ray.get([k.block_index_counts.remote() for k in keepers]))
+
+    applied0 = applied()
     ray.get([r.ping.remote() for r in racks])
     cpu0, t0 = ray.get(agg.cpu_seconds.remote()), time.monotonic()
+    rack0 = ray.get([r.cpu_seconds.remote() for r in racks])
     runs = [d.run.remote(mode, seconds) for d in load]
     read = reader.run.remote(seconds)
     time.sleep(seconds)  # the window: what the aggregator did while the load was offered
     cpu1, t1 = ray.get(agg.cpu_seconds.remote()), time.monotonic()
-    applied1 = ray.get(agg.block_index_counts.remote())["applied"]
+    rack1 = ray.get([r.cpu_seconds.remote() for r in racks])
+    applied1 = applied()
     outs = ray.get(runs)  # the drivers wait for their last answers
     r = ray.get(read)
-    counts = ray.get(agg.block_index_counts.remote())
+    oos = sum(
+        len(c["out_of_sync"]) for c in ray.get([k.block_index_counts.remote() for k in keepers])
+    )
+    rack_cpu = [(b - a) / (t1 - t0) for a, b in zip(rack0, rack1, strict=True)]
     for a in [agg, reader, *load, *racks]:
         ray.kill(a)
     answers = [s for o in outs for s in o["answer_s"]]
@@ -290,6 +309,7 @@ def run_one(
         "nodes": num_nodes,
         "mode": mode,
         "agg_cpu": (cpu1 - cpu0) / (t1 - t0),
+        "rack_cpu_max": max(rack_cpu, default=float("nan")),  # the busiest rack (index shard)
         "calls_per_s": sum(o["calls"] for o in outs) / seconds,
         # event batches offered by the drivers, and applied by the index in the window
         "offered_per_s": sum(o["batches"] for o in outs) / seconds,
@@ -299,7 +319,7 @@ def run_one(
         "late_ticks": sum(o["late"] for o in outs),
         "ticks": sum(o["ticks"] for o in outs),
         "refused": sum(o["refused"] for o in outs),
-        "out_of_sync": len(counts["out_of_sync"]),
+        "out_of_sync": oos,
         "view_age_p50_ms": 1e3 * statistics.median(r["view_age_s"] or [nan]),
         "view_age_p99_ms": 1e3 * percentile(r["view_age_s"] or [nan], 0.99),
         "lag_p50_ms": 1e3 * statistics.median(r["lag_s"]) if r["lag_s"] else float("nan"),
@@ -317,7 +337,8 @@ def run_one(
 
 
 COLUMNS = (
-    ("nodes", "{:>6}"), ("mode", "{:>10}"), ("agg_cpu", "{:>8.2f}"), ("calls_per_s", "{:>9.0f}"),
+    ("nodes", "{:>6}"), ("mode", "{:>10}"), ("agg_cpu", "{:>8.2f}"), ("rack_cpu_max", "{:>8.2f}"),
+    ("calls_per_s", "{:>9.0f}"),
     ("offered_per_s", "{:>8.0f}"), ("applied_per_s", "{:>8.0f}"),
     ("answer_p50_ms", "{:>8.1f}"), ("answer_p99_ms", "{:>8.1f}"), ("late_ticks", "{:>5}"),
     ("refused", "{:>5}"), ("out_of_sync", "{:>5}"), ("view_age_p50_ms", "{:>8.0f}"),
@@ -326,8 +347,8 @@ COLUMNS = (
     ("index_kib", "{:>8.1f}"), ("decisions_per_s", "{:>8.0f}"),
 )  # fmt: skip
 HEADS = (
-    "nodes", "way", "aggCPU", "calls/s", "offer/s", "apply/s", "ans p50", "ans p99", "late",
-    "refus", "oos",
+    "nodes", "way", "aggCPU", "rackCPU", "calls/s", "offer/s", "apply/s", "ans p50", "ans p99",
+    "late", "refus", "oos",
     "age p50", "age p99", "lag p50", "lag p99", "refr p50", "view p50", "view KiB",
     "idx KiB", "dec/s",
 )  # fmt: skip

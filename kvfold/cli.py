@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--timeout", type=float, default=60.0, help="placement timeout (s)")
     u.add_argument(
         "--nodes-per-rack", type=int, default=0,
-        help="nodes push through rack actors of this many nodes (0: straight; docs/scale.md)",
+        help="nodes push through rack actors of this many nodes, each keeping its nodes' "
+        "shard of the block index (0: straight; docs/scale.md)",
     )  # fmt: skip
     u.set_defaults(fn=cmd_up)
     s = sub.add_parser("status", help="print one cluster view")

@@ -8,15 +8,15 @@ has a timeout).
 from __future__ import annotations
 
 import os
-import pickle
 from typing import Any
 
 import ray
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError
 
+from kvfold.aggregator.index_client import IndexClient, sum_index_counts
 from kvfold.aggregator.view_delta import ViewReader
 from kvfold.blockindex.events import HOST, RANK, BlockHash
-from kvfold.blockindex.feed import Cursor, Replica
+from kvfold.blockindex.feed import Replica
 from kvfold.blockindex.prompt_match import PromptMatch, match_prompt
 from kvfold.errors import AggregatorUnavailable, NodeUnavailable, RankUnavailable
 from kvfold.naming import AGGREGATOR_NAME, DEFAULT_NAMESPACE, node_actor_name, rank_actor_name
@@ -60,6 +60,7 @@ class KVFoldClient:
         self.timeout_s = timeout_s
         self._handle: Any = None
         self._reader = ViewReader()  # the last view, rebuilt from deltas
+        self._index = IndexClient(namespace, timeout_s)  # who keeps the block index
 
     def _aggregator(self) -> Any:
         if self._handle is None:
@@ -120,15 +121,20 @@ class KVFoldClient:
         """Publish a scheduler's cumulative admission decision counts ('outcome:reason')."""
         self._call("report_admission", scheduler, counts)
 
-    def block_index_since(self, cursor: Cursor) -> tuple[Cursor, list[Any], bool]:
+    def block_index_since(self, cursor: Any) -> tuple[Any, list[Any], bool]:
         """The cluster block index's ops after `cursor` (kvfold.blockindex.feed), for a
-        replica: (cursor now, ops, whole: the ops rebuild it from empty)."""
-        now, ops, whole = pickle.loads(self._call("block_index_since", cursor))
-        return tuple(now), ops, whole
+        replica: (cursor now, ops, whole: the ops rebuild it from empty). From the
+        aggregator, or from every rack's index shard (kvfold.aggregator.index_client)."""
+        return self._index.since(cursor)
 
     def block_index_counts(self) -> dict[str, Any]:
-        counts: dict[str, Any] = self._call("block_index_counts")
-        return counts
+        """The index's counts (kvfold.blockindex.feed), summed over its shards."""
+        if not self._index.sharded():
+            counts: dict[str, Any] = self._call("block_index_counts")
+            return counts
+        return sum_index_counts(
+            [self._ask_shard(name, "block_index_counts") for name, _ in self._index.shards()]
+        )
 
     def counts(self) -> dict[str, Any]:
         counts: dict[str, Any] = self._call("counts")
@@ -157,8 +163,20 @@ class KVFoldClient:
         kind "rank" (a rank's GPU) or "host" (a node's host tier)."""
         if kind not in (RANK, HOST):
             raise ValueError(f"kind must be {RANK!r} or {HOST!r}, got {kind!r}")
-        keys = self._call("block_keys", kind, self._check(source, kind))
+        i = self._check(source, kind)
+        if not self._index.sharded():
+            keys = self._call("block_keys", kind, i)
+        else:
+            node = i if kind == HOST else self.view().rank_to_node[i]
+            keys = self._ask_shard(self._index.keeper(node), "block_keys", kind, i)
         return {int(g): frozenset(ks) for g, ks in keys.items() if ks}
+
+    def _ask_shard(self, name: str, method: str, *args: Any) -> Any:
+        try:
+            handle = ray.get_actor(name, namespace=self.namespace)
+            return ray.get(getattr(handle, method).remote(*args), timeout=self.timeout_s)
+        except (ValueError, RayActorError, GetTimeoutError) as e:
+            raise AggregatorUnavailable(f"{name}, an index shard, did not answer: {e}") from e
 
     def index(self) -> IndexReplica:
         """A read-only replica of the cluster block index, brought up to date now; call

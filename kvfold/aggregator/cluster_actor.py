@@ -26,7 +26,7 @@ from kvfold.blockindex.feed import IndexFeed
 from kvfold.blockindex.index import BlockIndex
 from kvfold.checks import is_int
 from kvfold.errors import ReportError
-from kvfold.naming import node_actor_name
+from kvfold.naming import AGGREGATOR_NAME, node_actor_name, rack_actor_name
 from kvfold.ray_actor import (
     BackgroundLoop,
     Every,
@@ -56,12 +56,14 @@ class ClusterAggregator(IndexCalls):
         metrics_port: int | None = None,
         ray_node_ids: list[str] | None = None,
         verify_sources: bool = True,
+        nodes_per_rack: int = 0,
     ) -> None:
         self.topology = Topology.from_mapping(rank_to_node)
         # False only for the load harness (benchmarks/bench_scale.py), whose nodes and
         # ranks are not actors: new incarnations are then taken unasked, and silent
         # sources are left to the clock
         self.verify_sources = verify_sources
+        self.nodes_per_rack = nodes_per_rack  # above 0: racks keep the index (index_shards)
         self.namespace = namespace
         self.report_interval_s = report_interval_s
         self.state = ClusterState(
@@ -147,6 +149,16 @@ class ClusterAggregator(IndexCalls):
             "ray_node_ids": list(self.ray_node_ids),
         }
 
+    def index_shards(self) -> list[tuple[str, list[int]]]:
+        """Who keeps the cluster block index, and of which nodes: each rack actor its
+        rack's (launch(nodes_per_rack=K)), or this aggregator every node's."""
+        nodes = list(range(self.topology.num_nodes))
+        per = self.nodes_per_rack
+        if not per:
+            return [(AGGREGATOR_NAME, nodes)]
+        racks = range(-(-len(nodes) // per))
+        return [(rack_actor_name(k), nodes[k * per : (k + 1) * per]) for k in racks]
+
     @ray.method(concurrency_group="reports")
     def node_report(self, data: bytes) -> str:
         """A node's report: "accepted", or the reason it was refused (counted).
@@ -185,6 +197,16 @@ class ClusterAggregator(IndexCalls):
         return (
             incarnation_of(node_actor_name(node), self.namespace, VERIFY_TIMEOUT_S) == incarnation
         )
+
+    def _liveness(self) -> tuple[ClusterView, dict[int, int]]:
+        with self.cond:
+            return self._refresh(), dict(self.state.incarnations)
+
+    def liveness_since(self, position: tuple[bytes, int]) -> tuple[bytes | None, dict[int, int]]:
+        """What an index shard (a rack actor) drops its sources by: view_since(position)
+        and each node's incarnation as accepted here."""
+        with self.cond:
+            return self._delta(position), dict(self.state.incarnations)
 
     def _refresh(self) -> ClusterView:
         """The view a reader may see: rebuilt if anything changed, its counters handed on

@@ -1,7 +1,9 @@
-"""IndexCalls: the cluster block index's calls on the ClusterAggregator (DESIGN §9), a
-base class of the actor as RankCalls is of the rank: sources' batches in, replicas'
-ops out, and the loop that drops dead sources and resynchronises the rest from
-snapshots. The state is the aggregator's, set by its __init__."""
+"""IndexCalls: the cluster block index's calls (DESIGN §9), a base class of the actors
+that keep it, as RankCalls is of the rank: sources' batches in, replicas' ops out, and
+the loop that drops dead sources and resynchronises the rest from snapshots. The
+ClusterAggregator keeps the index of the nodes that push to it; a RackAggregator keeps
+its rack's nodes' (an index shard: docs/scale.md). Their __init__ sets the state; each
+says where the view it drops sources by comes from (`_liveness`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from typing import Any
 
 import ray
 
-from kvfold.aggregator.cluster_state import ClusterState
 from kvfold.blockindex.events import RANK, BlockHash, EventError, decode_envelope
 from kvfold.blockindex.feed import IndexFeed
 from kvfold.blockindex.liveness import sources_gone
@@ -31,10 +32,10 @@ class IndexCalls:
     events_error: str | None
     _asked: dict[tuple[str, int], tuple[Any, float]]  # snapshots asked, when
     namespace: str
-    cond: threading.Condition
-    state: ClusterState
 
-    def _refresh(self) -> ClusterView:
+    def _liveness(self) -> tuple[ClusterView, dict[int, int]] | None:
+        """The cluster view and each node's incarnation as the aggregator has them (None:
+        not known now; nothing is dropped this tick)."""
         raise NotImplementedError
 
     @ray.method(concurrency_group="events")
@@ -93,9 +94,10 @@ class IndexCalls:
     def _resync(self) -> None:
         """Drop from the index every source the view holds not alive (kvfold.blockindex.
         liveness); ask out-of-sync sources for their keys."""
-        with self.cond:
-            view = self._refresh()
-            node_incarnations = dict(self.state.incarnations)
+        known = self._liveness()
+        if known is None:
+            return
+        view, node_incarnations = known
         with self.blocks_lock:
             feed = self.blocks
             sources = set(feed.streams) | set(feed.index.held)

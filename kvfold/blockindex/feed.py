@@ -22,6 +22,12 @@ controller's copy, kvfold.blockindex.feed.Replica) asks for the ops after its cu
 or gets a whole snapshot when it fell behind the log. A cursor is (epoch, ops so far):
 a feed started again (an aggregator restart) has a new epoch, so a replica of the old
 one is rebuilt rather than fed another log's ops. Pure; no Ray.
+
+An index may be kept in shards, each feed the sources of some nodes (a rack's, in its
+rack actor: docs/scale.md). A replica follows them all as one: `merge_shards` turns
+each shard's answer into ops on the one replica, a shard's whole snapshot preceded by a
+("clear_nodes", its nodes) op, so the other shards' sources stay; its cursor is then one
+cursor per shard (`ShardCursor`).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfold.blockindex.events import BlockHash, Envelope, Event
+from kvfold.blockindex.events import HOST, BlockHash, Envelope, Event
 from kvfold.blockindex.index import BlockIndex, Source
 from kvfold.stats import Window
 
@@ -42,9 +48,12 @@ MAX_RETIRED = 8  # incarnations of a source remembered, so their late batches ar
 # op log entries: ("apply", source, events)
 #                 | ("reset", source, keys by group, windows, block size)
 #                 | ("drop", source)
+# and, made by a replica following shards: ("clear_nodes", nodes)
 Op = tuple[Any, ...]
 Cursor = tuple[int, int]  # (the feed's epoch, ops appended so far)
 NO_CURSOR: Cursor = (0, -1)  # a replica that has taken nothing yet
+# a replica following shards: (shard name, its cursor) per shard, in the shards' order
+ShardCursor = tuple[tuple[str, Cursor], ...]
 
 
 def apply_op(index: BlockIndex, op: Op) -> None:
@@ -54,8 +63,42 @@ def apply_op(index: BlockIndex, op: Op) -> None:
         index.apply(op[1], op[2])
     elif kind == "reset":
         index.reset(op[1], op[2], op[3], op[4])
+    elif kind == "clear_nodes":
+        nodes = op[1]
+        for source in [s for s in index.held if _node_of(index, s) in nodes]:
+            index.clear(source)
     else:
         index.clear(op[1])
+
+
+def _node_of(index: BlockIndex, source: Source) -> int:
+    kind, i = source
+    return i if kind == HOST else index.rank_to_node[i]
+
+
+def shard_cursor(cursor: Any, shards: Sequence[str]) -> list[Cursor]:
+    """Each shard's cursor in a replica's `cursor` (NO_CURSOR for a shard it has not
+    followed: a replica's first cursor, or one of a single feed)."""
+    held: dict[str, Cursor] = {}
+    if cursor and isinstance(cursor[0], (tuple, list)):  # a ShardCursor, not one feed's
+        held = {name: (int(c[0]), int(c[1])) for name, c in cursor}
+    return [held.get(name, NO_CURSOR) for name in shards]
+
+
+def merge_shards(
+    answers: Sequence[tuple[str, frozenset[int], Cursor, list[Op], bool]],
+) -> tuple[ShardCursor, list[Op]]:
+    """One replica's ops from each shard's answer (name, its nodes, cursor now, ops,
+    whole), in the shards' order: a shard answering whole clears its nodes' sources first.
+    Returns the replica's cursor and the ops, never whole: the other shards stay."""
+    ops: list[Op] = []
+    cursor: list[tuple[str, Cursor]] = []
+    for name, nodes, now, shard_ops, whole in answers:
+        if whole:
+            ops.append(("clear_nodes", nodes))
+        ops.extend(shard_ops)
+        cursor.append((name, tuple(now)))  # type: ignore[arg-type]
+    return tuple(cursor), ops
 
 
 @dataclass(slots=True)

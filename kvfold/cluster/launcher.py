@@ -27,7 +27,11 @@ from ray.util.scheduling_strategies import (
 from kvfold.aggregator.client import KVFoldClient
 from kvfold.aggregator.cluster_actor import CARRY_KEY, ClusterAggregator
 from kvfold.aggregator.node_actor import HostKVActor
-from kvfold.aggregator.rack_actor import RackAggregator
+from kvfold.aggregator.rack_actor import (
+    RACK_CONCURRENCY_GROUPS,
+    RACK_MAX_CONCURRENCY,
+    RackAggregator,
+)
 from kvfold.cluster.handle import KVFold
 from kvfold.cluster.phases import PhaseClock
 from kvfold.cluster.settings import LaunchSettings
@@ -123,8 +127,9 @@ def launch(
     EngineRankActor reading what its engine publishes (its KV events and its numbers
     page), instead of a kvfold cache (`cache` then only names the windows; full
     attention is the default's).
-    nodes_per_rack: above 0, nodes push through rack actors of that many nodes each,
-    one call per rack and interval at the aggregator (docs/scale.md); 0: straight.
+    nodes_per_rack: above 0, nodes push through rack actors of that many nodes each:
+    the aggregator takes two calls per rack and interval, and each rack keeps its nodes'
+    shard of the block index (docs/scale.md); 0: straight to the aggregator.
     """
     if namespace is None:
         namespace = ray.get_runtime_context().namespace if ray.is_initialized() else None
@@ -269,6 +274,7 @@ def _start_aggregator(
         metrics_host=metrics[0],
         metrics_port=metrics[1],
         ray_node_ids=placement.node_ids,
+        nodes_per_rack=settings.nodes_per_rack,
     )
 
 
@@ -278,13 +284,18 @@ def _start_racks(settings: LaunchSettings, placement: Placement) -> list[Any]:
     if not per:
         return []
     num_racks = -(-len(placement.node_ids) // per)
-    actor = ray.remote(RackAggregator)
+    actor = ray.remote(concurrency_groups=RACK_CONCURRENCY_GROUPS)(RackAggregator)  # type: ignore[call-overload]
+    head = _on_head_node()
     return [
         actor.options(
             **_actor_options(
-                settings, rack_actor_name(i), resources=_on_head_node(), max_restarts=-1
+                settings,
+                rack_actor_name(i),
+                resources=head,
+                max_restarts=-1,
+                max_concurrency=RACK_MAX_CONCURRENCY,
             )
-        ).remote(i, **_common(settings))
+        ).remote(i, placement.rank_to_node, **_common(settings))
         for i in range(num_racks)
     ]
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import ray
 
+from kvfold.aggregator.index_client import IndexClient
 from kvfold.aggregator.view_delta import ViewReader
 from kvfold.blockindex.feed import NO_CURSOR, Replica
 from kvfold.naming import AGGREGATOR_NAME
@@ -71,6 +72,7 @@ class DoorActor:
         self._replica: Replica | None = None
         self._view: ClusterView | None = None
         self._aggregator: Any = None
+        self._index: IndexClient | None = None  # who keeps the block index, once asked
         self._log = CommittedLog(settings.engine_ranks, time.time())
         self.limits = EngineLimits()  # each engine's max_model_len, asked once it is live
         self.above_committed: dict[int, int] = {}  # reports of used > committed, per engine
@@ -330,19 +332,28 @@ class DoorActor:
     async def _follow_once(self) -> None:
         if self._aggregator is None:
             self._aggregator = ray.get_actor(AGGREGATOR_NAME, namespace=self.settings.namespace)
+        if self._index is None:
+            index = IndexClient(self.settings.namespace)
+            await asyncio.to_thread(index.shards)  # asked once: who keeps the block index
+            self._index = index
         asked = self._reader.position
         cursor_asked = self._replica.cursor if self._replica is not None else NO_CURSOR
-        view_bytes, index_bytes = await self._aggregator.view_and_index_since.remote(
-            asked, cursor_asked
-        )
+        if self._index.sharded():  # racks keep the index: their shards, asked together
+            view_bytes = await self._aggregator.view_since.remote(asked)
+            answer = await self._index.since_async(cursor_asked)
+        else:  # the aggregator keeps it: one call for both
+            view_bytes, index_bytes = await self._aggregator.view_and_index_since.remote(
+                asked, cursor_asked
+            )
+            answer = pickle.loads(index_bytes)
         view = self._reader.apply(view_bytes, asked)
         if view is None:
             return
         if self._replica is None or list(view.rank_to_node) != self._replica.rank_to_node:
             self._replica = Replica(list(view.rank_to_node))
             if cursor_asked != NO_CURSOR:  # those ops were for the replica just dropped
-                index_bytes = await self._aggregator.block_index_since.remote(NO_CURSOR)
-        cursor, ops, whole = pickle.loads(index_bytes)
+                answer = await self._index.since_async(NO_CURSOR)
+        cursor, ops, whole = answer
         self._replica.take(tuple(cursor), ops, whole)
         if self._view is not None and view.version == self._view.version:
             return

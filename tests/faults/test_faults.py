@@ -286,22 +286,38 @@ def test_a_node_actor_dies_and_comes_back(kv) -> None:  # type: ignore[no-untype
 
 def ground_truth_used(kv) -> int:  # type: ignore[no-untyped-def]
     """Blocks in use according to the live ranks themselves."""
-    total = 0
+    return ground_truth(kv)[0]
+
+
+def ground_truth(kv) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Blocks in use and cached according to the live ranks themselves."""
+    used = cached = 0
     for r in range(kv.topology.world_size):
         try:
             stats = kv.rank(r).stats()
         except RankUnavailable:
             continue
-        total += stats.total.num_blocks_used if stats else 0
-    return total
+        if stats:
+            used, cached = (
+                used + stats.total.num_blocks_used,
+                cached + stats.total.num_blocks_cached,
+            )
+    return used, cached
+
+
+def _used_and_cached(view) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    return view.gpu_total.num_blocks_used, view.gpu_total.num_blocks_cached
 
 
 def test_the_aggregator_dies_and_is_rebuilt(kv) -> None:  # type: ignore[no-untyped-def]
     from kvfold.aggregator.client import KVFoldClient
 
     reader = KVFoldClient(namespace=kv.namespace, timeout_s=0.3)  # a reader with a tight budget
-    truth = ground_truth_used(kv)
-    wait_until(lambda: reader.view().gpu_total.num_blocks_used == truth)
+    probe = list(range(777_000, 777_064))  # blocks rank 0 keeps cached: keys in the index
+    assert kv.rank(0).add_sequence("index-probe", probe)
+    kv.rank(0).free_sequence("index-probe")
+    truth = ground_truth(kv)
+    wait_until(lambda: _used_and_cached(reader.view()) == truth)  # the probe's blocks are in
     before = reader.view()
     t0 = time.monotonic()
     ray.kill(kv.aggregator, no_restart=False)
@@ -328,6 +344,11 @@ def test_the_aggregator_dies_and_is_rebuilt(kv) -> None:  # type: ignore[no-unty
     assert view.version > before.version  # keeps growing across the restart
     assert view.gpu_total == before.gpu_total  # rebuilt from the next pushes, exactly
     assert view.gpu_total.num_blocks_used == ground_truth_used(kv)
+    # the block index (kept by the aggregator here: no racks) is rebuilt from snapshots
+    held = kv.client.held_keys(0)
+    assert held, "rank 0 was meant to hold the probe's blocks"
+    wait_until(lambda: kv.client.indexed_keys("rank", 0) == held, timeout_s=60)
+    assert kv.client.block_index_counts()["snapshots"] >= 1
     record("aggregator dies", errors_seen=errors, first_error_s=t_err or 0.0, rebuilt_s=t_rebuilt)
 
 
