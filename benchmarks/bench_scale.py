@@ -170,7 +170,7 @@ class Reader:
 
         def index_since(cursor: Any) -> Any:
             now, ops, whole = keepers.since(cursor)
-            index_bytes.append(keepers.last_bytes)
+            index_bytes.append(keepers.last_answer_bytes)
             if not whole:
                 seen = time.time()
                 for op in ops:

@@ -121,7 +121,8 @@ def next_tick_s(now_s: float, interval_s: float, phase_s: float | None) -> float
     phase (`phase_s + k x interval_s`, after now and at most an interval on)."""
     if phase_s is None:
         return now_s + interval_s
-    return phase_s + (math.floor((now_s - phase_s) / interval_s) + 1) * interval_s
+    t = phase_s + (math.floor((now_s - phase_s) / interval_s) + 1) * interval_s
+    return t if t > now_s else t + interval_s  # now on a tick, rounded: the next one
 
 
 def node_phase_s(node: int, interval_s: float) -> float:

@@ -24,7 +24,7 @@ from kvfold.aggregator.receiver import ACCEPTED
 from kvfold.aggregator.view_delta import ViewSender
 from kvfold.blockindex.feed import IndexFeed
 from kvfold.blockindex.index import BlockIndex
-from kvfold.checks import is_int
+from kvfold.checks import check_int, is_int
 from kvfold.errors import ReportError
 from kvfold.naming import AGGREGATOR_NAME, node_actor_name, rack_actor_name
 from kvfold.ray_actor import (
@@ -63,6 +63,7 @@ class ClusterAggregator(IndexCalls):
         # ranks are not actors: new incarnations are then taken unasked, and silent
         # sources are left to the clock
         self.verify_sources = verify_sources
+        check_int("nodes_per_rack", nodes_per_rack, 0)
         self.nodes_per_rack = nodes_per_rack  # above 0: racks keep the index (index_shards)
         self.namespace = namespace
         self.report_interval_s = report_interval_s

@@ -93,19 +93,17 @@ class IndexCalls:
 
     def _resync(self) -> None:
         """Drop from the index every source the view holds not alive (kvfold.blockindex.
-        liveness); ask out-of-sync sources for their keys."""
+        liveness); ask out-of-sync sources for their keys. With the view not known now (a
+        shard whose aggregator is away), nothing is dropped, but sources still resync."""
         known = self._liveness()
-        if known is None:
-            return
-        view, node_incarnations = known
         with self.blocks_lock:
             feed = self.blocks
-            sources = set(feed.streams) | set(feed.index.held)
-            gone = sources_gone(
-                view, node_incarnations, sources, {s: feed.life(s) for s in sources}
-            )
-            for source in gone:
-                feed.drop(source)
+            if known is not None:
+                view, node_incarnations = known
+                sources = set(feed.streams) | set(feed.index.held)
+                lives = {s: feed.life(s) for s in sources}
+                for source in sources_gone(view, node_incarnations, sources, lives):
+                    feed.drop(source)
             wanted = feed.wanted()
         self._collect_snapshots(wanted)
 

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from kvfold.blockindex.feed import Cursor, Op, merge_shards, shard_cursor
+from kvfold.blockindex.feed import Op, follow_shards, shard_cursor
 from kvfold.errors import AggregatorUnavailable
 from kvfold.naming import AGGREGATOR_NAME
 from kvfold.ray_actor import named_actor
@@ -32,16 +32,21 @@ Answer = tuple[Any, list[Op], bool]  # (cursor now, ops, whole)
 
 
 class IndexClient:
+    """One reader's way to the block index: who keeps it (asked of the aggregator once),
+    and the ops after its replica's cursor from all of them. Not thread-safe: one
+    replica's follower uses it."""
+
     def __init__(self, namespace: str, timeout_s: float = 5.0) -> None:
         self.namespace = namespace
         self.timeout_s = timeout_s
         self._shards: list[tuple[str, frozenset[int]]] | None = None
         self._handles: dict[str, Any] = {}  # a restarted actor keeps its handle
-        self.shards_missed = 0  # shard answers not had in time (taken at a later refresh)
-        self.last_bytes = 0  # what the last since() was sent, all keepers together
+        self.num_shard_answers_missed = 0  # not had in time: taken at a later refresh
+        self.last_answer_bytes = 0  # what the last since() was sent, all keepers together
 
     def shards(self) -> list[tuple[str, frozenset[int]]]:
-        """(actor name, its nodes) of every keeper, asked of the aggregator once."""
+        """(actor name, its nodes) of every keeper, asked of the aggregator once; their
+        handles looked up now (a caller with an event loop calls this in a thread)."""
         if self._shards is None:
             agg = self._actor(AGGREGATOR_NAME)
             try:
@@ -50,6 +55,8 @@ class IndexClient:
                 self._handles.pop(AGGREGATOR_NAME, None)
                 raise AggregatorUnavailable(f"the kvfold aggregator did not answer: {e}") from e
             self._shards = [(name, frozenset(nodes)) for name, nodes in listed]
+        for name, _ in self._shards:
+            self._handle(name)
         return self._shards
 
     def keeper(self, node: int) -> str:
@@ -60,50 +67,65 @@ class IndexClient:
         raise ValueError(f"node must be one of the deployment's nodes, got {node!r}")
 
     def sharded(self) -> bool:
+        """Racks keep the index (several keepers), not the aggregator alone."""
         shards = self.shards()
         return not (len(shards) == 1 and shards[0][0] == AGGREGATOR_NAME)
 
     def since(self, cursor: Any) -> Answer:
-        """The ops after a replica's `cursor`, from every keeper."""
+        """The ops after a replica's `cursor`, from every keeper, waiting `timeout_s` at
+        most for all of them together."""
         shards = self.shards()
         refs = self._ask(shards, cursor)
+        pending = [r for r in refs if r is not None]
+        ready = set()
+        if pending:
+            ready = set(ray.wait(pending, num_returns=len(pending), timeout=self.timeout_s)[0])
         answers: list[bytes | None] = []
-        for name, ref in zip((n for n, _ in shards), refs, strict=True):
+        for (name, _), ref in zip(shards, refs, strict=True):
             try:
-                answers.append(None if ref is None else ray.get(ref, timeout=self.timeout_s))
-            except RayError:
+                answers.append(ray.get(ref) if ref in ready else None)
+            except RayError as e:
                 self._handles.pop(name, None)
                 if not self.sharded():
-                    raise AggregatorUnavailable(f"{name} did not answer") from None
+                    raise AggregatorUnavailable(f"{name} did not answer: {e}") from e
                 answers.append(None)
+        if not self.sharded() and answers[0] is None:
+            raise AggregatorUnavailable(f"{AGGREGATOR_NAME} did not answer in {self.timeout_s} s")
         return self._merged(shards, cursor, answers)
 
     async def since_async(self, cursor: Any) -> Answer:
         """since(), awaited in an event loop (the front door's)."""
-        shards = self.shards()
+        shards = self._shards
+        if shards is None or any(self._handles.get(n) is None for n, _ in shards):
+            shards = await asyncio.to_thread(self.shards)  # lookups off the loop
         refs = self._ask(shards, cursor)
 
-        async def one(ref: Any) -> bytes | None:
+        async def one(name: str, ref: Any) -> bytes | None:
             if ref is None:
                 return None
             try:
                 got: bytes = await asyncio.wait_for(ref, self.timeout_s)
                 return got
+            except RayActorError:
+                self._handles.pop(name, None)
             except (RayError, asyncio.TimeoutError):
-                return None
+                pass
+            return None
 
-        answers = list(await asyncio.gather(*(one(r) for r in refs)))
+        asked = zip(shards, refs, strict=True)
+        answers = list(await asyncio.gather(*(one(name, ref) for (name, _), ref in asked)))
         if not self.sharded() and answers[0] is None:
             raise AggregatorUnavailable(f"{AGGREGATOR_NAME} did not answer")
         return self._merged(shards, cursor, answers)
 
     def _ask(self, shards: Sequence[tuple[str, frozenset[int]]], cursor: Any) -> list[Any]:
+        """One call per keeper with a handle (None where it has none now)."""
         if not self.sharded():
             return [self._actor(AGGREGATOR_NAME).block_index_since.remote(cursor)]
         cursors = shard_cursor(cursor, [n for n, _ in shards])
         refs = []
         for (name, _), c in zip(shards, cursors, strict=True):
-            actor = self._handle(name)
+            actor = self._handles.get(name)
             refs.append(None if actor is None else actor.block_index_since.remote(c))
         return refs
 
@@ -121,23 +143,14 @@ class IndexClient:
         cursor: Any,
         answers: Sequence[bytes | None],
     ) -> Answer:
-        self.last_bytes = sum(len(a) for a in answers if a is not None)
+        self.last_answer_bytes = sum(len(a) for a in answers if a is not None)
         if not self.sharded():
             assert answers[0] is not None
             now, ops, whole = pickle.loads(answers[0])
             return tuple(now), ops, whole
-        cursors = shard_cursor(cursor, [n for n, _ in shards])
-        parts: list[tuple[str, frozenset[int], Cursor, list[Op], bool]] = []
-        for (name, nodes), old, data in zip(shards, cursors, answers, strict=True):
-            if data is None:
-                self.shards_missed += 1
-                parts.append((name, nodes, old, [], False))
-            else:
-                now, ops, whole = pickle.loads(data)
-                parts.append((name, nodes, tuple(now), ops, whole))
-        merged, ops = merge_shards(parts)
-        first = not (cursor and isinstance(cursor[0], (tuple, list)))  # not a shard cursor yet
-        return merged, ops, first
+        self.num_shard_answers_missed += sum(a is None for a in answers)
+        decoded = [None if a is None else pickle.loads(a) for a in answers]
+        return follow_shards(shards, cursor, decoded)
 
     def _actor(self, name: str) -> Any:
         actor = self._handle(name)

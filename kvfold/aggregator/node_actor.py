@@ -51,7 +51,7 @@ MAX_INFLIGHT = 64
 MIN_PUSH_GAP_S = 0.005  # coalesce bursts of urgent rank reports into one node report
 # a round's first rank report waits at most this many intervals for the node's other ranks
 # (docs/scale.md: pushes per interval against the latency it adds)
-ROUND_WAIT = 0.5
+ROUND_WAIT_INTERVALS = 0.5
 MAX_OUTBOX_BATCHES = 2048  # event batches waiting for the next push; past it the oldest
 # are dropped (counted): their sources see a gap and resynchronise from a snapshot
 
@@ -113,9 +113,9 @@ class HostKVActor:
                 if urgent or self.state.round_complete(time.monotonic()):
                     self.loop.wake()
                 else:  # ranks out of step: what came in waits for the round, not long
-                    self.loop.wake_at(
-                        self.state.round_started_s + ROUND_WAIT * self.report_interval_s
-                    )
+                    due = self.state.round_due_s(ROUND_WAIT_INTERVALS * self.report_interval_s)
+                    if due is not None:
+                        self.loop.wake_at(due)
         return verdict
 
     def _verify_rank(self, rank: int, incarnation: int) -> bool:

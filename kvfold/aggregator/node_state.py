@@ -71,6 +71,11 @@ class NodeState(ReportReceiver[RankReport]):
         states = self.rank_states(now_s)
         return all(r in self.reported for r, s in states.items() if s is SourceState.FRESH)
 
+    def round_due_s(self, wait_s: float) -> float | None:
+        """When the open round must be pushed at the latest (monotonic s): `wait_s` after
+        its first report; None when no report is waiting for a push."""
+        return self.round_started_s + wait_s if self.reported else None
+
     def start_round(self) -> None:
         """A push is being folded: reports from now on count toward the next round."""
         self.reported.clear()

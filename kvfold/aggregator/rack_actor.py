@@ -125,7 +125,7 @@ class RackAggregator(IndexCalls):
         asked = self._reader.position
         try:
             delta, incarnations = ray.get(
-                agg.liveness_since.remote(asked), timeout=3 * self.report_interval_s
+                agg.liveness_since.remote(asked), timeout=self.report_interval_s
             )
         except RayError:
             self.liveness_failures += 1

@@ -76,13 +76,39 @@ def _node_of(index: BlockIndex, source: Source) -> int:
     return i if kind == HOST else index.rank_to_node[i]
 
 
+def is_shard_cursor(cursor: Any) -> bool:
+    """A ShardCursor, not one feed's Cursor (nor a replica's first)."""
+    return bool(cursor) and isinstance(cursor[0], (tuple, list))
+
+
 def shard_cursor(cursor: Any, shards: Sequence[str]) -> list[Cursor]:
     """Each shard's cursor in a replica's `cursor` (NO_CURSOR for a shard it has not
     followed: a replica's first cursor, or one of a single feed)."""
     held: dict[str, Cursor] = {}
-    if cursor and isinstance(cursor[0], (tuple, list)):  # a ShardCursor, not one feed's
+    if is_shard_cursor(cursor):
         held = {name: (int(c[0]), int(c[1])) for name, c in cursor}
     return [held.get(name, NO_CURSOR) for name in shards]
+
+
+def follow_shards(
+    shards: Sequence[tuple[str, frozenset[int]]],
+    cursor: Any,
+    answers: Sequence[tuple[Cursor, list[Op], bool] | None],
+) -> tuple[ShardCursor, list[Op], bool]:
+    """A replica's next (cursor, ops, whole), from each shard's answer (name, its nodes)
+    to `since` its cursor: (cursor now, ops, whole), or None when it did not come in time
+    (that shard's cursor stays; it is asked again next refresh). `whole`: the replica had
+    no shard cursor (its first refresh, or it followed one feed): it starts over."""
+    olds = shard_cursor(cursor, [name for name, _ in shards])
+    parts: list[tuple[str, frozenset[int], Cursor, list[Op], bool]] = []
+    for (name, nodes), old, answer in zip(shards, olds, answers, strict=True):
+        if answer is None:
+            parts.append((name, nodes, old, [], False))
+        else:
+            now, ops, whole = answer
+            parts.append((name, nodes, (int(now[0]), int(now[1])), ops, whole))
+    merged, ops = merge_shards(parts)
+    return merged, ops, not is_shard_cursor(cursor)
 
 
 def merge_shards(

@@ -95,7 +95,7 @@ class EngineRankActor:
 
     # ------------------------------------------------------------------ reports
 
-    def _tick(self) -> None:
+    def _tick(self, urgent: bool = False) -> None:
         self._scrape()
         with self.lock:
             restarts = self.source.counts["restarts"]
@@ -104,7 +104,7 @@ class EngineRankActor:
                 self._new_incarnation()
         self.events.publish(self._drain, 0.0)
         if self.numbers is not None and self.metrics_error is None:
-            self._report()
+            self._report(urgent)
 
     def _new_incarnation(self) -> None:
         """Called under the lock: what the old engine held is gone with it."""
@@ -141,7 +141,7 @@ class EngineRankActor:
             return
         self.intake.restart(new)
 
-    def _report(self) -> None:
+    def _report(self, urgent: bool) -> None:
         node = named_actor(node_actor_name(self.node), self.namespace)
         if node is None:
             return
@@ -149,7 +149,7 @@ class EngineRankActor:
             self.seq += 1
             report = self._build(self.seq)
             self._unsent = None
-        self._inflight.add(node.report.remote(encode_rank_report(report)), None)
+        self._inflight.add(node.report.remote(encode_rank_report(report), urgent), None)
         self._inflight.settle(lambda _a, _t: None, lambda _e, _t: None)
         self.reports += 1
 
@@ -197,8 +197,9 @@ class EngineRankActor:
         self.intake.lose_next(n)
 
     def report_now(self) -> str:
-        """Publish what came in since the last interval, and report, now."""
-        self._tick()
+        """Publish what came in since the last interval, and report, now (pushed on by its
+        node at once)."""
+        self._tick(urgent=True)
         return "accepted" if self.metrics_error is None else "no_metrics"
 
     def info(self) -> dict[str, Any]:

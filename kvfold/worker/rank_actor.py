@@ -218,8 +218,10 @@ class RankWorker(RankCalls):
 
     def _tick(self) -> None:
         with self.reports.lock:
-            urgent, self.urgent = self.urgent, False
-            self._publish_events(wait_s=0.0)  # sent before the report that may set off a push
+            with self.lock:
+                urgent, self.urgent = self.urgent, False
+            # sent before the report that may set off a push; an urgent push waits for them
+            self._publish_events(wait_s=self.report_interval_s / 2 if urgent else 0.0)
             self.reports.push(wait_s=3 * self.report_interval_s, urgent=urgent)
 
     # ------------------------------------------------------------ block events

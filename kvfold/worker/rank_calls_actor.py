@@ -44,7 +44,8 @@ class RankCalls:
 
     def _changed(self, report: bool) -> None:
         if report:
-            self.urgent = True
+            with self.lock:  # read and cleared under it by the reporter's tick
+                self.urgent = True
             self.loop.wake()
 
     def add_sequence(

@@ -8,6 +8,8 @@ shard's index holds, source by source; a shard answering whole rebuilds only its
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -27,7 +29,7 @@ from kvfold.blockindex.feed import (
     IndexFeed,
     Replica,
     Snapshot,
-    merge_shards,
+    follow_shards,
     shard_cursor,
 )
 from kvfold.blockindex.index import BlockIndex, Source
@@ -102,21 +104,22 @@ class ShardMachine(RuleBasedStateMachine):
 
     @rule(missed=st.sets(st.integers(0, len(SHARDS) - 1), max_size=1))
     def replica_refreshes(self, missed: set[int]) -> None:
-        names = [name for name, _ in SHARDS]
-        cursors = shard_cursor(self.replica.cursor, names)
-        parts = []
-        for k, ((name, nodes), old) in enumerate(zip(SHARDS, cursors, strict=True)):
-            if k in missed:  # this shard did not answer in time: its cursor stays
-                parts.append((name, nodes, old, [], False))
+        """Each shard answers its cursor as the keepers' block_index_since does (the ops
+        after it, or a whole snapshot), but a missed one; the replica takes the merge."""
+        olds = shard_cursor(self.replica.cursor, [name for name, _ in SHARDS])
+        answers: list[tuple[Any, Any, bool] | None] = []
+        for k, old in enumerate(olds):
+            if k in missed:  # this shard did not answer in time
+                answers.append(None)
                 continue
             now, ops = self.feeds[k].since(old)
             whole = ops is None
             if ops is None:
                 now, ops = self.feeds[k].snapshot_ops()
-            parts.append((name, nodes, now, ops, whole))
-        cursor, ops = merge_shards(parts)
-        first = self.replica.cursor == NO_CURSOR
-        self.replica.take(cursor, ops, whole=first)
+            answers.append((now, ops, whole))
+        cursor, ops, whole = follow_shards(SHARDS, self.replica.cursor, answers)
+        assert whole == (self.replica.cursor == NO_CURSOR)  # starts over only the first time
+        self.replica.take(cursor, ops, whole)
         self.refreshed = not missed
 
     @invariant()

@@ -89,8 +89,9 @@ class RoundMachine(RuleBasedStateMachine):
         assert self.state.round_complete(self.now) == want
         states = self.state.rank_states(self.now)
         assert {r for r, s in states.items() if s is SourceState.FRESH} == fresh
-        if self.first_at is not None:
-            assert self.state.round_started_s == self.first_at
+        wait = 0.05
+        due = self.state.round_due_s(wait)
+        assert due == (None if self.first_at is None else self.first_at + wait)
 
 
 TestRoundMachine = RoundMachine.TestCase
