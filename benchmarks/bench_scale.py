@@ -8,13 +8,15 @@ Against the real ClusterAggregator actor, three ways of sending, measured in the
   coalesced  one call per node and interval, carrying the report and its ranks'
              batches (ClusterAggregator.node_push, as node actors send them)
   racked     the same calls to rack actors of --per-rack nodes (RackAggregator), each
-             forwarding one call per interval (launch(nodes_per_rack=...))
+             keeping its nodes' shard of the block index and forwarding their reports
+             twice per interval (launch(nodes_per_rack=...)); the reader follows every
+             shard (kvfold.aggregator.index_client)
 
 Load driver actors generate and send; a reader actor runs an AdmissionController with
 precise routing that refreshes every 50 ms and decides continuously. Printed per N and
 way:
-- the aggregator's CPU (fraction of a core);
-- push answers (p50/p99 ms; racked: the rack's "queued"), pushes late or refused;
+- the aggregator's CPU (fraction of a core), and the busiest rack's (racked);
+- push answers (p50/p99 ms; racked: the rack's, events ingested), pushes late or refused;
 - view age at the reader: now minus the send of the newest report folded into the view
   it decided on;
 - index lag: a probe block's send to its visibility in the reader's replica;
