@@ -1,24 +1,23 @@
 """launch(): place and start kvfold on a Ray cluster; KVFold: the handle it returns.
 
-    placement group (PACK, one {"GPU": n} bundle per rank)   -> where each rank goes
-    ranks numbered contiguously per node, fullest nodes first -> the partial node is last
-    one HostKVActor per node (hard node affinity), one ClusterAggregator (named)
+    where each rank goes (kvfold.cluster.placement: a placement group, ranks numbered
+    node by node, the partial node last; a PlacementError in time, nothing left behind)
+    one HostKVActor per node (hard node affinity), one ClusterAggregator (named),
+    with racks one RackAggregator per `nodes_per_rack` nodes (both on the head node)
     one RankWorker per bundle
 
-A placement that cannot be satisfied fails within `placement_timeout_s` with a
-PlacementError naming the missing resources, and leaves nothing behind.
+Every actor is named in the deployment's namespace (kvfold.naming).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.experimental.internal_kv import _internal_kv_del
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
     PlacementGroupSchedulingStrategy,
@@ -34,6 +33,7 @@ from kvfold.aggregator.rack_actor import (
 )
 from kvfold.cluster.handle import KVFold
 from kvfold.cluster.phases import PhaseClock
+from kvfold.cluster.placement import Placement, on_head_node, place
 from kvfold.cluster.settings import LaunchSettings
 from kvfold.engines.endpoints import EngineEndpoints
 from kvfold.engines.engine_rank_actor import EngineRankActor
@@ -53,42 +53,6 @@ from kvfold.worker.config import KVCacheConfig
 from kvfold.worker.engine import EngineFactory
 from kvfold.worker.rank_actor import RankWorker
 from kvfold.workload.engine import SimEngine
-
-
-def _missing_resources(world_size: int, gpus_per_rank: float) -> str:
-    total = ray.cluster_resources().get("GPU", 0.0)
-    free = ray.available_resources().get("GPU", 0.0)
-    alive = [n for n in ray.nodes() if n.get("Alive")]
-    need = world_size * gpus_per_rank
-    return (
-        f"asked for {world_size} ranks x {gpus_per_rank:g} GPU = {need:g} GPU; the cluster has "
-        f"{total:g} GPU in all on {len(alive)} nodes, {free:g} free; missing "
-        f"{max(0.0, need - free):g} GPU. Add GPU nodes, lower --world-size, or stop what holds them"
-    )
-
-
-def _assign_ranks(
-    bundle_nodes: Sequence[str], node_order: Sequence[str]
-) -> tuple[list[int], list[str], list[int]]:
-    """Bundles -> (bundle index of each rank, Ray node id of each kvfold node, rank -> node).
-
-    Nodes holding more bundles come first (so a partial node is last); ties keep
-    Ray's node order. Ranks are contiguous on each node.
-    """
-    counts: dict[str, list[int]] = {}
-    for b, nid in enumerate(bundle_nodes):
-        counts.setdefault(nid, []).append(b)
-    order = sorted(
-        counts,
-        key=lambda nid: (-len(counts[nid]), node_order.index(nid) if nid in node_order else 0),
-    )
-    rank_bundle: list[int] = []
-    rank_to_node: list[int] = []
-    for node, nid in enumerate(order):
-        for b in counts[nid]:
-            rank_bundle.append(b)
-            rank_to_node.append(node)
-    return rank_bundle, order, rank_to_node
 
 
 def launch(
@@ -170,7 +134,7 @@ def _deploy(
             f"kvfold is already running in namespace {settings.namespace!r}; "
             "run `kvfold down` first"
         )
-    placement = _place(settings)
+    placement = place(settings)
     clock.mark("placed")
     actors: list[Any] = []
     try:
@@ -204,38 +168,6 @@ def _deploy(
     return kv
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where Ray put kvfold: the placement group, each rank's bundle, each node's Ray id."""
-
-    group: Any
-    rank_bundle: list[int]
-    node_ids: list[str]
-    rank_to_node: list[int]
-
-
-def _place(settings: LaunchSettings) -> Placement:
-    """Reserve one GPU bundle per rank (PACK) and number the ranks node by node; fail in
-    time, naming what is missing, and leave nothing behind."""
-    world, gpus = settings.world_size, settings.gpus_per_rank
-    pg = placement_group(
-        [{"GPU": gpus}] * world,
-        strategy="PACK",
-        name=PLACEMENT_GROUP_NAME if settings.detached else "",
-        lifetime="detached" if settings.detached else None,
-    )
-    timeout = settings.placement_timeout_s
-    if not pg.wait(timeout_seconds=timeout):
-        message = _missing_resources(world, gpus)
-        remove_placement_group(pg)
-        raise PlacementError(f"could not place kvfold within {timeout:g} s: {message}")
-    table = ray.util.placement_group_table(pg)
-    bundle_nodes = [table["bundles_to_node_id"][b] for b in range(world)]
-    ray_order = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-    rank_bundle, node_ids, rank_to_node = _assign_ranks(bundle_nodes, ray_order)
-    return Placement(pg, rank_bundle, node_ids, rank_to_node)
-
-
 def _common(settings: LaunchSettings) -> dict[str, Any]:
     return {"namespace": settings.namespace, "report_interval_s": settings.report_interval_s}
 
@@ -263,7 +195,7 @@ def _start_aggregator(
     # a new deployment counts from zero: only its own aggregator's restarts carry counters on
     _internal_kv_del(CARRY_KEY, namespace=settings.namespace)
     options = _actor_options(
-        settings, AGGREGATOR_NAME, resources=_on_head_node(), max_restarts=-1, max_concurrency=32
+        settings, AGGREGATOR_NAME, resources=on_head_node(), max_restarts=-1, max_concurrency=32
     )
     actor = ray.remote(concurrency_groups={"reports": 1, "events": 1})(ClusterAggregator)  # type: ignore[call-overload]
     return actor.options(**options).remote(
@@ -285,7 +217,7 @@ def _start_racks(settings: LaunchSettings, placement: Placement) -> list[Any]:
         return []
     num_racks = -(-len(placement.node_ids) // per)
     actor = ray.remote(concurrency_groups=RACK_CONCURRENCY_GROUPS)(RackAggregator)  # type: ignore[call-overload]
-    head = _on_head_node()
+    head = on_head_node()
     return [
         actor.options(
             **_actor_options(
@@ -367,15 +299,6 @@ def _start_ranks(
             )
         )
     return ranks
-
-
-HEAD_RESOURCE = "node:__internal_head__"
-
-
-def _on_head_node() -> dict[str, float]:
-    """Pin the aggregator to the head node, as Ray Serve pins its controller: losing a
-    worker node must not take the cluster's view with it (docs/decisions.md)."""
-    return {HEAD_RESOURCE: 0.001} if HEAD_RESOURCE in ray.cluster_resources() else {}
 
 
 def attach(namespace: str = DEFAULT_NAMESPACE, address: str | None = None) -> KVFoldClient:
