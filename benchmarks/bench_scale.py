@@ -10,7 +10,7 @@ Against the real ClusterAggregator actor, three ways of sending, measured in the
   racked     the same calls to rack actors of --per-rack nodes (RackAggregator), each
              keeping its nodes' shard of the block index and forwarding their reports
              twice per interval (launch(nodes_per_rack=...)); the reader follows every
-             shard (kvfold.aggregator.index_client)
+             shard (kvfold.aggregator.client.IndexClient)
 
 Load driver actors generate and send; a reader actor runs an AdmissionController with
 precise routing that refreshes every 50 ms and decides continuously. Printed per N and
@@ -137,7 +137,7 @@ class Reader:
         import ray
 
         from kvfold.admission import AdmissionController, AdmissionRequest
-        from kvfold.aggregator.index_client import IndexClient
+        from kvfold.aggregator.client import IndexClient
         from kvfold.aggregator.view_delta import ViewReader
         from kvfold.blockindex.events import BlockStored
         from kvfold.workload.fleet_load import SHARED_TAG, probe_sent_s, report_sent_s

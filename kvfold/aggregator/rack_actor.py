@@ -11,7 +11,7 @@ report and its ranks' block-event batches).
 - **Block events** stop here: the rack keeps its nodes' part of the cluster block index,
   an index shard (kvfold.aggregator.index_calls_actor: the same feed, op log and
   resynchronisation as the aggregator's). Readers follow every shard's op log as one
-  replica (kvfold.aggregator.index_client), so the aggregator decodes no event, and the
+  replica (kvfold.aggregator.client.IndexClient), so the aggregator decodes no event, and the
   event rate one actor takes is its rack's, not the fleet's.
 
 It holds nothing that must survive: a rack that restarts loses the reports it held (its

@@ -24,7 +24,7 @@ a feed started again (an aggregator restart) has a new epoch, so a replica of th
 one is rebuilt rather than fed another log's ops. Pure; no Ray.
 
 An index may be kept in shards, each feed the sources of some nodes (a rack's, in its
-rack actor: docs/scale.md). A replica follows them all as one: `merge_shards` turns
+rack actor: docs/scale.md). A replica follows them all as one: `follow_shards` turns
 each shard's answer into ops on the one replica, a shard's whole snapshot preceded by a
 ("clear_nodes", its nodes) op, so the other shards' sources stay; its cursor is then one
 cursor per shard (`ShardCursor`).
@@ -100,31 +100,18 @@ def follow_shards(
     (that shard's cursor stays; it is asked again next refresh). `whole`: the replica had
     no shard cursor (its first refresh, or it followed one feed): it starts over."""
     olds = shard_cursor(cursor, [name for name, _ in shards])
-    parts: list[tuple[str, frozenset[int], Cursor, list[Op], bool]] = []
+    merged: list[tuple[str, Cursor]] = []
+    ops: list[Op] = []
     for (name, nodes), old, answer in zip(shards, olds, answers, strict=True):
         if answer is None:
-            parts.append((name, nodes, old, [], False))
-        else:
-            now, ops, whole = answer
-            parts.append((name, nodes, (int(now[0]), int(now[1])), ops, whole))
-    merged, ops = merge_shards(parts)
-    return merged, ops, not is_shard_cursor(cursor)
-
-
-def merge_shards(
-    answers: Sequence[tuple[str, frozenset[int], Cursor, list[Op], bool]],
-) -> tuple[ShardCursor, list[Op]]:
-    """One replica's ops from each shard's answer (name, its nodes, cursor now, ops,
-    whole), in the shards' order: a shard answering whole clears its nodes' sources first.
-    Returns the replica's cursor and the ops, never whole: the other shards stay."""
-    ops: list[Op] = []
-    cursor: list[tuple[str, Cursor]] = []
-    for name, nodes, now, shard_ops, whole in answers:
-        if whole:
+            merged.append((name, old))
+            continue
+        now, shard_ops, whole = answer
+        if whole:  # the shard's snapshot rebuilds its nodes alone: the others stay
             ops.append(("clear_nodes", nodes))
         ops.extend(shard_ops)
-        cursor.append((name, tuple(now)))  # type: ignore[arg-type]
-    return tuple(cursor), ops
+        merged.append((name, (int(now[0]), int(now[1]))))
+    return tuple(merged), ops, not is_shard_cursor(cursor)
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 
-from kvfold.aggregator.index_client import IndexClient
+from kvfold.aggregator.client import IndexClient
 from kvfold.aggregator.view_delta import ViewReader
 from kvfold.blockindex.feed import NO_CURSOR, Replica
 from kvfold.naming import AGGREGATOR_NAME
@@ -334,7 +334,7 @@ class DoorActor:
             self._aggregator = ray.get_actor(AGGREGATOR_NAME, namespace=self.settings.namespace)
         if self._index is None:
             index = IndexClient(self.settings.namespace)
-            await asyncio.to_thread(index.shards)  # asked once: who keeps the block index
+            await asyncio.to_thread(index.resolve)  # asked once: who keeps the block index
             self._index = index
         asked = self._reader.position
         cursor_asked = self._replica.cursor if self._replica is not None else NO_CURSOR

@@ -23,7 +23,7 @@ def core_modules() -> list[str]:
         if (
             path.name.endswith("_actor.py")
             or "cluster" in parts
-            or path.name in ("client.py", "index_client.py")  # on a reader's side
+            or path.name == "client.py"
             or parts[-1] in SHELLS
         ):
             continue

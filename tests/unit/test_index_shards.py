@@ -1,5 +1,5 @@
 """Model-based: a replica following an index kept in shards (kvfold.blockindex.feed
-.merge_shards), against the shards' own indexes. Hypothesis interleaves block events of
+.follow_shards), against the shards' own indexes. Hypothesis interleaves block events of
 sources on each shard's nodes, source deaths, shard restarts (a new feed: a new epoch,
 empty until its sources' snapshots come) and a replica that refreshes now and then, or
 misses a shard's answer. After each refresh, the replica holds exactly what every
