@@ -1,15 +1,18 @@
 """AdmissionController: what a scheduler embeds. Thread-safe; views from any source.
 
-    controller = AdmissionController(client)          # anything with .view(), or a callable
+    controller = AdmissionController(client)          # .capacity(id) or .view(), or a callable
     d = controller.decide(AdmissionRequest("r1", prompt_tokens=900, max_new_tokens=128))
     if d.outcome is Outcome.ADMIT:                    # place it on d.rank, with what it promised
         rank.add_sequence("r1", prompt, max_new_tokens=128, policy=d.policy, ticket=d.ticket)
     ... if it is never placed (cancelled, refused): controller.release("r1")
 
 Views are refreshed at most every `refresh_interval_s` (a decision never waits
-on the network otherwise). A view source that fails in any way, or answers with
-something that is not a ClusterView, makes decisions QUEUE with reason
-`no_fresh_view`. Decisions are counted by outcome and reason.
+on the network otherwise). A source with `.capacity(controller_id)` (KVFoldClient) is
+read for the view's capacity alone, as deltas of a few numbers per rank
+(kvfold.aggregator.capacity_delta); any other for whole ClusterViews. A view source that
+fails in any way, or answers with something that is not a ClusterView (or
+CapacityIndex), makes decisions QUEUE with reason `no_fresh_view`. Decisions are counted
+by outcome and reason.
 
 Routing (kvfold.admission.routing): `precise_prefix` by default where the source also
 serves the cluster block index (`block_index_since`, as KVFoldClient does): the
@@ -26,6 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from kvfold.admission.capacity import CapacityIndex
 from kvfold.admission.decision import AdmissionRequest, Decision, Outcome, Policy
 from kvfold.admission.policy import AdmissionPolicy
 from kvfold.admission.routing import Router, RoutingWeights, as_router
@@ -57,8 +61,12 @@ class AdmissionController:
         `router`: a Router or its name (None: precise_prefix where there is an index
         source, else approx_prefix); `index_source(cursor)`: the block index's ops after
         a cursor (default: the view source's `block_index_since`, if it has one)."""
+        self._capacity: Callable[[str], CapacityIndex] | None = None
         if callable(view_source):
             self._fetch: Callable[[], ClusterView] = view_source
+        elif hasattr(view_source, "capacity"):
+            self._capacity = view_source.capacity
+            self._fetch = view_source.view
         elif hasattr(view_source, "view"):
             self._fetch = view_source.view
         else:
@@ -102,22 +110,34 @@ class AdmissionController:
         if not force and now - self._last_refresh_s < self.refresh_interval_s:
             return
         self._last_refresh_s = now
+        got: ClusterView | CapacityIndex
         try:
-            view = self._fetch()
-            if not isinstance(view, ClusterView):
-                raise TypeError(f"the view source gave a {type(view).__name__}, not a ClusterView")
+            if self._capacity is not None:
+                got = self._capacity(self.controller_id)
+                want: type = CapacityIndex
+            else:
+                got, want = self._fetch(), ClusterView
+            if not isinstance(got, want):
+                gave = type(got).__name__
+                raise TypeError(f"the view source gave a {gave}, not a {want.__name__}")
         except Exception as e:  # any failure of the source: no fresh view, never a guess
             self.view_error = f"{type(e).__name__}: {e}"[:300]
             return
         self.view_error = None
-        self.load_view(view)
+        if isinstance(got, CapacityIndex):
+            with self.lock:
+                self.policy.load_capacity(got, self.clock())
+            rank_to_node = got.rank_to_node_tuple
+        else:
+            self.load_view(got)
+            rank_to_node = got.rank_to_node
         if self._index_source is not None:
-            self._update_index(view)
+            self._update_index(rank_to_node)
 
-    def _update_index(self, view: ClusterView) -> None:
+    def _update_index(self, rank_to_node: tuple[int, ...]) -> None:
         replica = self.policy.blocks
-        if replica is None or replica.rank_to_node != list(view.rank_to_node):
-            replica = Replica(list(view.rank_to_node))
+        if replica is None or replica.rank_to_node != list(rank_to_node):
+            replica = Replica(list(rank_to_node))
         assert self._index_source is not None
         asked = replica.cursor
         try:

@@ -120,7 +120,13 @@ class AdmissionPolicy:
         if self.index is not None and view.version <= self.index.version:
             self.expire(now_s)
             return
-        idx = CapacityIndex(view, self.controller_id)
+        self.load_capacity(CapacityIndex.of_view(view, self.controller_id), now_s)
+
+    def load_capacity(self, idx: CapacityIndex, now_s: float) -> None:
+        """load_view for a view's capacity alone (kvfold.aggregator.capacity_delta)."""
+        if self.index is not None and idx.version <= self.index.version:
+            self.expire(now_s)
+            return
         self.settled += self.book.settle(idx.seen)
         self.expired += self.book.expire(now_s - self.ttl_s)
         self.index = idx

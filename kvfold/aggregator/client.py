@@ -19,6 +19,8 @@ from typing import Any
 import ray
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError, RayError
 
+from kvfold.admission.capacity import CapacityIndex
+from kvfold.aggregator.capacity_delta import CapacityReader
 from kvfold.aggregator.view_delta import ViewReader
 from kvfold.blockindex.events import HOST, RANK, BlockHash
 from kvfold.blockindex.feed import Op, Replica, follow_shards, shard_cursor
@@ -66,6 +68,7 @@ class KVFoldClient:
         self.timeout_s = timeout_s
         self._handle: Any = None
         self._reader = ViewReader()  # the last view, rebuilt from deltas
+        self._capacity: dict[str, CapacityReader] = {}  # per controller id
         self._index = IndexClient(namespace, timeout_s)  # who keeps the block index
 
     def _aggregator(self) -> Any:
@@ -100,6 +103,17 @@ class KVFoldClient:
             view = self._reader.apply(self._call("view_since", asked), asked)
             if view is not None:
                 return view
+
+    def capacity(self, controller_id: str) -> CapacityIndex:
+        """The current view's capacity as `controller_id` reads it (its own tickets): what
+        an AdmissionController refreshes from. Only the rows of nodes whose capacity
+        changed travel (kvfold.aggregator.capacity_delta)."""
+        reader = self._capacity.setdefault(controller_id, CapacityReader())
+        while True:
+            asked = reader.position
+            index = reader.apply(self._call("capacity_since", asked, controller_id), asked)
+            if index is not None:
+                return index
 
     def version(self) -> int:
         version: int = self._call("version")

@@ -18,6 +18,7 @@ import ray
 from ray.exceptions import RayError
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
+from kvfold.aggregator.capacity_delta import CapacitySender
 from kvfold.aggregator.cluster_state import ClusterState
 from kvfold.aggregator.index_calls_actor import IndexCalls
 from kvfold.aggregator.receiver import ACCEPTED
@@ -37,6 +38,7 @@ from kvfold.ray_actor import (
 from kvfold.stats import Window
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
+from kvfold.worker.tickets import check_controller_id
 
 VERIFY_TIMEOUT_S = 2.0  # how long a node actor may take to confirm its incarnation
 CARRY_KEY = b"kvfold:carried-counters"  # in Ray's internal KV, per kvfold namespace
@@ -79,6 +81,7 @@ class ClusterAggregator(IndexCalls):
         self._bytes_version = -1
         self._bytes = b""
         self.sender = ViewSender()  # views as deltas, per reader (kvfold.aggregator.view_delta)
+        self.capacity = CapacitySender()  # their capacity alone, for controllers
         self._probe = Every(5 * report_interval_s)
         self.carry_error: str | None = None  # why counters could not be handed on last
         self.ray_node_ids = list(ray_node_ids or [])  # where each kvfold node's actor lives
@@ -255,6 +258,16 @@ class ClusterAggregator(IndexCalls):
         when it is current (kvfold.aggregator.view_delta)."""
         with self.cond:
             return self._delta(position)
+
+    def capacity_since(self, position: tuple[bytes, int], controller_id: str) -> bytes | None:
+        """What a controller at `position` needs of the current view's capacity: the rows of
+        the nodes whose capacity changed since, with its own tickets; None when it is
+        current (kvfold.aggregator.capacity_delta)."""
+        check_controller_id(controller_id)
+        with self.cond:
+            self.capacity.update(self._refresh())
+            epoch, version = position
+            return self.capacity.since((bytes(epoch), int(version)), controller_id)
 
     def view_and_index_since(
         self, position: tuple[bytes, int], cursor: tuple[int, int]

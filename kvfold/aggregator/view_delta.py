@@ -55,7 +55,7 @@ class ViewSender:
         self.view: ClusterView | None = None
         self.first_version = -1  # the first version this sender saw
         self._entries: list[NodeUtilization] = []
-        self._bytes: list[bytes] = []
+        self._bytes: list[bytes | None] = []  # an entry's, once a reader was sent it
         self._changed_at: list[int] = []
         self._totals = b""
 
@@ -70,11 +70,11 @@ class ViewSender:
         for n, entry in enumerate(view.nodes):
             if n == len(entries):
                 entries.append(entry)
-                encoded.append(pickle.dumps(entry, _PROTOCOL))
+                encoded.append(None)
                 changed.append(view.version)
             elif entry is not entries[n] and entry != entries[n]:
                 entries[n] = entry
-                encoded[n] = pickle.dumps(entry, _PROTOCOL)
+                encoded[n] = None
                 changed[n] = view.version
         self._totals = pickle.dumps(tuple(getattr(view, f) for f in _TOTALS), _PROTOCOL)
         self.view = view
@@ -89,9 +89,7 @@ class ViewSender:
             return None
         whole = epoch != self.epoch or not self.first_version <= version < view.version
         nodes = tuple(
-            (n, b)
-            for n, (b, at) in enumerate(zip(self._bytes, self._changed_at, strict=True))
-            if whole or at > version
+            (n, self._encoded(n)) for n, at in enumerate(self._changed_at) if whole or at > version
         )
         delta = ViewDelta(
             self.epoch,
@@ -102,6 +100,12 @@ class ViewSender:
             nodes,
         )
         return pickle.dumps(delta, _PROTOCOL)
+
+    def _encoded(self, node: int) -> bytes:
+        b = self._bytes[node]
+        if b is None:  # encoded once per change, when first sent (capacity readers never ask)
+            b = self._bytes[node] = pickle.dumps(self._entries[node], _PROTOCOL)
+        return b
 
 
 class ViewReader:
