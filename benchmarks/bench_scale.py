@@ -153,6 +153,7 @@ class Reader:
         lag_s: list[float] = []
         view_s: list[float] = []
         view_bytes: list[int] = []
+        view_cpu_s: list[float] = []  # this thread's CPU in it: the wall less the waits
         full_s: list[float] = []
         full_bytes: list[int] = []
         index_bytes: list[int] = []
@@ -170,9 +171,10 @@ class Reader:
 
         class Source:  # what the controller decides on: the view's capacity, as deltas
             def capacity(self, controller_id: str) -> Any:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 got, n = ask("capacity_since", capacity, controller_id)
                 view_s.append(time.perf_counter() - t0)
+                view_cpu_s.append(time.thread_time() - c0)
                 view_bytes.append(n)
                 return got
 
@@ -244,7 +246,7 @@ class Reader:
             "decisions_per_s": decisions / (time.monotonic() - start),
             "refresh_s": refresh_s, "bytes": nbytes, "view_s": view_s,
             "view_bytes": view_bytes, "index_bytes": index_bytes, "view_age_s": view_age_s,
-            "full_s": full_s, "full_bytes": full_bytes,
+            "full_s": full_s, "full_bytes": full_bytes, "view_cpu_s": view_cpu_s,
             "lag_s": lag_s,
             "index_error": ctl.index_error, "view_error": ctl.view_error,
         }  # fmt: skip
@@ -348,6 +350,7 @@ def run_one(
         "bytes_p50": statistics.median(r["bytes"]),
         "view_p50_ms": 1e3 * statistics.median(r["view_s"]),
         "view_kib": statistics.median(r["view_bytes"]) / 1024,
+        "view_cpu_p50_ms": 1e3 * statistics.median(r["view_cpu_s"]),
         "full_p50_ms": 1e3 * statistics.median(r["full_s"] or [nan]),
         "full_kib": statistics.median(r["full_bytes"] or [nan]) / 1024,
         "index_kib": statistics.median(r["index_bytes"]) / 1024,
@@ -364,14 +367,15 @@ COLUMNS = (
     ("answer_p50_ms", "{:>8.1f}"), ("answer_p99_ms", "{:>8.1f}"), ("late_ticks", "{:>5}"),
     ("refused", "{:>5}"), ("out_of_sync", "{:>5}"), ("view_age_p50_ms", "{:>8.0f}"),
     ("view_age_p99_ms", "{:>8.0f}"), ("lag_p50_ms", "{:>8.0f}"), ("lag_p99_ms", "{:>8.0f}"),
-    ("refresh_p50_ms", "{:>8.2f}"), ("view_p50_ms", "{:>8.2f}"), ("view_kib", "{:>8.1f}"),
+    ("refresh_p50_ms", "{:>8.2f}"), ("view_p50_ms", "{:>8.2f}"), ("view_cpu_p50_ms", "{:>8.2f}"),
+    ("view_kib", "{:>8.1f}"),
     ("index_kib", "{:>8.1f}"), ("full_p50_ms", "{:>8.2f}"), ("full_kib", "{:>8.1f}"),
     ("decisions_per_s", "{:>8.0f}"),
 )  # fmt: skip
 HEADS = (
     "nodes", "way", "aggCPU", "rackCPU", "calls/s", "offer/s", "apply/s", "ans p50", "ans p99",
     "late", "refus", "oos",
-    "age p50", "age p99", "lag p50", "lag p99", "refr p50", "view p50", "view KiB",
+    "age p50", "age p99", "lag p50", "lag p99", "refr p50", "cap p50", "cap CPU", "cap KiB",
     "idx KiB", "full p50", "full KiB", "dec/s",
 )  # fmt: skip
 
@@ -409,6 +413,11 @@ def main() -> None:
         report(f"N={n}: view age p99, {way}", row["view_age_p99_ms"], "ms", 2 * interval_ms)
         report(f"N={n}: index lag p99, {way}", row["lag_p99_ms"], "ms", 2 * interval_ms)
         report(f"N={n}: controller's capacity refresh p50, {way}", row["view_p50_ms"], "ms", 2.0)
+        info(
+            f"  of which this thread's CPU (the rest: the call's wait), {way}",
+            row["view_cpu_p50_ms"],
+            "ms",
+        )
         report(f"N={n}: its bytes p50, {way}", row["view_kib"], "KiB", 64)
         info(f"N={n}: a whole view's refresh p50 (display), {way}", row["full_p50_ms"], "ms")
         info(f"N={n}: reader refresh p50 with the index, {way}", row["refresh_p50_ms"], "ms")

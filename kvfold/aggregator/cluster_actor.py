@@ -11,6 +11,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import psutil
@@ -25,6 +26,7 @@ from kvfold.aggregator.receiver import ACCEPTED
 from kvfold.aggregator.view_delta import ViewSender
 from kvfold.blockindex.feed import IndexFeed
 from kvfold.blockindex.index import BlockIndex
+from kvfold.blockindex.liveness import Liveness
 from kvfold.checks import check_int, is_int
 from kvfold.errors import ReportError
 from kvfold.naming import AGGREGATOR_NAME, node_actor_name, rack_actor_name
@@ -202,15 +204,14 @@ class ClusterAggregator(IndexCalls):
             incarnation_of(node_actor_name(node), self.namespace, VERIFY_TIMEOUT_S) == incarnation
         )
 
-    def _liveness(self) -> tuple[ClusterView, dict[int, int]]:
-        with self.cond:
-            return self._refresh(), dict(self.state.incarnations)
+    def _liveness(self, nodes: set[int]) -> Liveness:
+        return self.liveness_of(nodes)
 
-    def liveness_since(self, position: tuple[bytes, int]) -> tuple[bytes | None, dict[int, int]]:
-        """What an index shard (a rack actor) drops its sources by: view_since(position)
-        and each node's incarnation as accepted here."""
+    def liveness_of(self, nodes: Iterable[int]) -> Liveness:
+        """What an index shard (a rack actor) drops its sources by: the view's word on
+        `nodes`, a few values per rank (kvfold.blockindex.liveness)."""
         with self.cond:
-            return self._delta(position), dict(self.state.incarnations)
+            return Liveness.of_view(self._refresh(), self.state.incarnations, nodes)
 
     def _refresh(self) -> ClusterView:
         """The view a reader may see: rebuilt if anything changed, its counters handed on

@@ -14,12 +14,11 @@ from typing import Any
 
 import ray
 
-from kvfold.blockindex.events import RANK, BlockHash, EventError, decode_envelope
+from kvfold.blockindex.events import HOST, RANK, BlockHash, EventError, decode_envelope
 from kvfold.blockindex.feed import IndexFeed
-from kvfold.blockindex.liveness import sources_gone
+from kvfold.blockindex.liveness import Liveness, sources_gone
 from kvfold.naming import node_actor_name, rank_actor_name
 from kvfold.ray_actor import named_actor
-from kvfold.view import ClusterView
 
 SNAPSHOT_TIMEOUT_S = 5.0  # how long a source may take to hand over its keys
 MAX_BATCHES_PER_CALL = 16_384  # batches in one push (a node's, a rack's); the rest refused
@@ -33,9 +32,9 @@ class IndexCalls:
     _asked: dict[tuple[str, int], tuple[Any, float]]  # snapshots asked, when
     namespace: str
 
-    def _liveness(self) -> tuple[ClusterView, dict[int, int]] | None:
-        """The cluster view and each node's incarnation as the aggregator has them (None:
-        not known now; nothing is dropped this tick)."""
+    def _liveness(self, nodes: set[int]) -> Liveness | None:
+        """What the aggregator's view says of `nodes` (kvfold.blockindex.liveness; None:
+        not known now, nothing is dropped this tick)."""
         raise NotImplementedError
 
     @ray.method(concurrency_group="events")
@@ -95,14 +94,21 @@ class IndexCalls:
         """Drop from the index every source the view holds not alive (kvfold.blockindex.
         liveness); ask out-of-sync sources for their keys. With the view not known now (a
         shard whose aggregator is away), nothing is dropped, but sources still resync."""
-        known = self._liveness()
         with self.blocks_lock:
             feed = self.blocks
+            to_node = feed.index.rank_to_node
+            held = set(feed.streams) | set(feed.index.held)
+            nodes = {
+                i if kind == HOST else to_node[i]
+                for kind, i in held
+                if kind == HOST or 0 <= i < len(to_node)
+            }
+        known = self._liveness(nodes) if nodes else None
+        with self.blocks_lock:
             if known is not None:
-                view, node_incarnations = known
                 sources = set(feed.streams) | set(feed.index.held)
                 lives = {s: feed.life(s) for s in sources}
-                for source in sources_gone(view, node_incarnations, sources, lives):
+                for source in sources_gone(known, sources, lives):
                     feed.drop(source)
             wanted = feed.wanted()
         self._collect_snapshots(wanted)

@@ -17,8 +17,10 @@ report and its ranks' block-event batches).
 It holds nothing that must survive: a rack that restarts loses the reports it held (its
 nodes' next reports replace theirs) and its shard, which starts again under a new epoch
 (readers take it whole) and fills from its sources' snapshots, as the aggregator's index
-does after a restart. What it drops sources by (the view, the nodes' incarnations) it
-asks the aggregator for, once per interval (`liveness_since`: the view as a delta).
+does after a restart. What it drops sources by it asks the aggregator for, once per
+interval: the view's word on the nodes of its sources alone (`liveness_of`, a few values
+per rank; kvfold.blockindex.liveness), never the view, whose every entry changes with
+every report.
 """
 
 from __future__ import annotations
@@ -32,12 +34,11 @@ import ray
 from ray.exceptions import RayError
 
 from kvfold.aggregator.index_calls_actor import IndexCalls
-from kvfold.aggregator.view_delta import ViewReader
 from kvfold.blockindex.feed import IndexFeed
 from kvfold.blockindex.index import BlockIndex
+from kvfold.blockindex.liveness import Liveness
 from kvfold.naming import AGGREGATOR_NAME
 from kvfold.ray_actor import BackgroundLoop, InFlight, named_actor
-from kvfold.view import ClusterView
 
 MAX_INFLIGHT = 16
 FORWARDS_PER_INTERVAL = 2
@@ -71,7 +72,6 @@ class RackAggregator(IndexCalls):
         self.events_refused = 0
         self.events_error: str | None = None
         self._asked: dict[tuple[str, int], tuple[Any, float]] = {}
-        self._reader = ViewReader()
         self.liveness_failures = 0
         self.loop = BackgroundLoop(
             f"kvfold rack {rack} forwarder",
@@ -117,21 +117,19 @@ class RackAggregator(IndexCalls):
     def _failed(self, _error: RayError, _tag: None) -> None:
         self.forwards_failed += 1
 
-    def _liveness(self) -> tuple[ClusterView, dict[int, int]] | None:
+    def _liveness(self, nodes: set[int]) -> Liveness | None:
         agg = named_actor(AGGREGATOR_NAME, self.namespace)
         if agg is None:
             self.liveness_failures += 1
             return None
-        asked = self._reader.position
         try:
-            delta, incarnations = ray.get(
-                agg.liveness_since.remote(asked), timeout=self.report_interval_s
+            known: Liveness = ray.get(
+                agg.liveness_of.remote(sorted(nodes)), timeout=self.report_interval_s
             )
         except RayError:
             self.liveness_failures += 1
             return None
-        view = self._reader.apply(delta, asked)
-        return None if view is None else (view, dict(incarnations))
+        return known
 
     def cpu_seconds(self) -> float:
         """CPU time this process has used, user and system (for the load harness)."""

@@ -19,6 +19,7 @@ keys back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from kvfold.blockindex.events import HOST, RANK
 from kvfold.blockindex.index import Source
@@ -28,32 +29,62 @@ from kvfold.view import ClusterView, SourceState
 Life = tuple[int, tuple[int, ...]] | None
 
 
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """What `sources_gone` reads of a view, for some of its nodes: a few values per rank,
+    so an index shard asks the aggregator for its own sources' nodes alone, not for the
+    view (whose entries change with every report)."""
+
+    # rank -> (its state as ClusterView.rank_states says, the incarnation the view holds
+    # (0: never heard), whether its node is dead or removed)
+    ranks: Mapping[int, tuple[SourceState, int, bool]]
+    # node -> (its state, the incarnation accepted from it (0: none))
+    nodes: Mapping[int, tuple[SourceState, int]]
+
+    @classmethod
+    def of_view(
+        cls,
+        view: ClusterView,
+        node_incarnations: Mapping[int, int],
+        nodes: Iterable[int] | None = None,
+    ) -> Liveness:
+        """Of `nodes` (every node when None; those outside the view are left out)."""
+        ranks: dict[int, tuple[SourceState, int, bool]] = {}
+        out: dict[int, tuple[SourceState, int]] = {}
+        for i in range(view.num_nodes) if nodes is None else nodes:
+            if not 0 <= i < view.num_nodes:
+                continue
+            node = view.nodes[i]
+            out[i] = (node.state, node_incarnations.get(i, 0))
+            fresh, dead = node.state is SourceState.FRESH, node.state is SourceState.DEAD
+            for r in node.ranks:
+                state = r.state if fresh or r.state is SourceState.DEAD else node.state
+                ranks[r.rank] = (state, r.incarnation, dead)
+        return cls(ranks, out)
+
+
 def sources_gone(
-    view: ClusterView,
-    node_incarnations: Mapping[int, int],
-    sources: Iterable[Source],
-    life_of: Mapping[Source, Life],
+    liveness: Liveness, sources: Iterable[Source], life_of: Mapping[Source, Life]
 ) -> list[Source]:
     """Of `sources` (those with a stream or entries), the ones to drop. A view's
-    incarnation of 0 (or a node not in `node_incarnations`) means it never heard the
-    source in any life."""
-    rank_states = view.rank_states()
-    rank_incarnations = {r.rank: r.incarnation for n in view.nodes for r in n.ranks}
-    node_dead = {r.rank for n in view.nodes if n.state is SourceState.DEAD for r in n.ranks}
+    incarnation of 0 means it never heard the source in any life; a source whose rank or
+    node `liveness` does not cover stays."""
     out: list[Source] = []
     for source in sources:
         kind, i = source
         if kind == RANK:
-            if not 0 <= i < len(rank_states):
+            rank = liveness.ranks.get(i)
+            if rank is None:
                 continue
-            if i in node_dead:  # its node is dead or removed: whatever life it is in
+            state, seen, node_dead = rank
+            if node_dead:  # its node is dead or removed: whatever life it is in
                 out.append(source)
                 continue
-            state, seen = rank_states[i], rank_incarnations.get(i, 0)
         elif kind == HOST:
-            if not 0 <= i < view.num_nodes:
+            node = liveness.nodes.get(i)
+            if node is None:
                 continue
-            state, seen = view.nodes[i].state, node_incarnations.get(i, 0)
+            state, seen = node
         else:
             continue
         if _gone(state, seen, life_of.get(source)):
@@ -70,4 +101,4 @@ def _gone(state: SourceState, seen: int, life: Life) -> bool:
     return state is SourceState.DEAD
 
 
-__all__ = ["sources_gone"]
+__all__ = ["Liveness", "sources_gone"]

@@ -222,3 +222,37 @@ def _drive_when_up(kv: Any, rng: random.Random, tag: str) -> None:
             return False
 
     wait_until(drove, timeout_s=90, interval_s=0.2)
+
+
+def test_a_rank_gone_for_good_leaves_its_racks_shard(kv: Any) -> None:
+    """Last here: it leaves the world a rank short. Nothing of the rank's own says its
+    keys are gone; the rack keeping them drops them by the aggregator's word on its nodes
+    (`liveness_of`)."""
+    _drive_when_up(kv, random.Random(19), "d")
+    wait_until(lambda: _index_equals_truth(kv), timeout_s=60)
+    gone = kv.topology.world_size - 1
+    if not _indexed(kv, (RANK, gone)):  # give it keys of its own
+        ray.get(
+            kv.rank_handles[gone].add_sequence.remote("d-last", list(range(7000, 7000 + 3 * B)))
+        )
+        wait_until(lambda: _index_equals_truth(kv) and _indexed(kv, (RANK, gone)), timeout_s=60)
+    ray.kill(kv.rank_handles[gone], no_restart=True)
+    others = [s for s in _sources(kv) if s != (RANK, gone)]
+
+    def left() -> bool:
+        try:
+            _settle_live(kv, gone)
+            if _indexed(kv, (RANK, gone)):
+                return False
+            truth = {(RANK, r): kv.client.held_keys(r) for r in range(gone)}
+            truth.update({(HOST, n): kv.client.host_keys(n) for n in range(kv.topology.num_nodes)})
+            return all(_indexed(kv, s) == truth[s] for s in others)
+        except (RayError, AggregatorUnavailable, RankUnavailable, NodeUnavailable):
+            return False
+
+    wait_until(left, timeout_s=90, interval_s=0.2)
+
+
+def _settle_live(kv: Any, dead_rank: int) -> None:
+    ray.get([h.report_now.remote() for r, h in enumerate(kv.rank_handles) if r != dead_rank])
+    ray.get([h.publish_events.remote() for h in kv.node_handles])

@@ -8,7 +8,7 @@ from kvfold.aggregator.fold import RankRecord, fold_cluster, fold_node
 from kvfold.blockindex.events import GPU, HOST, RANK, BlockStored, Envelope, EventBatch
 from kvfold.blockindex.feed import IndexFeed
 from kvfold.blockindex.index import BlockIndex, Source
-from kvfold.blockindex.liveness import sources_gone
+from kvfold.blockindex.liveness import Liveness, sources_gone
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
 from tests.unit.builders import make_report
@@ -56,7 +56,13 @@ def feed_with_everyone(incarnation: int = 1) -> IndexFeed:
 
 def gone(view: ClusterView, feed: IndexFeed, node_incarnations: dict[int, int]) -> set[Source]:
     sources = set(feed.streams) | set(feed.index.held)
-    return set(sources_gone(view, node_incarnations, sources, {s: feed.life(s) for s in sources}))
+    lives = {s: feed.life(s) for s in sources}
+    whole = set(sources_gone(Liveness.of_view(view, node_incarnations), sources, lives))
+    for n in range(TOPO.num_nodes):  # a shard asks for its own sources' nodes alone
+        own = {s for s in sources if (s[1] if s[0] == HOST else TOPO.node_of(s[1])) == n}
+        part = set(sources_gone(Liveness.of_view(view, node_incarnations, [n]), sources, lives))
+        assert part == whole & own
+    return whole
 
 
 NODE_INCS = {0: 50, 1: 51}
