@@ -151,6 +151,8 @@ def decide(idx: BlockIndex, settle_every: int = 4) -> None:
     medians: dict[object, float] = {}
     cpu_p99: dict[object, float] = {}  # the code's own: CPU time of the call, p99
     waited: dict[object, float] = {}  # share of calls that waited > 20 us off the CPU
+    settled_p99: dict[object, float] = {}  # p99 of the calls that do not follow a refresh
+    first_p50: dict[object, float] = {}  # median of the first call after each refresh
     for router in (Router.LEAST_LOADED, Router.PRECISE_PREFIX, Router.PRECISE_PREFIX):
         if router in results:  # the second time: the same index with no host tiers
             replica.index = hot_index(host=False)[0]
@@ -163,7 +165,7 @@ def decide(idx: BlockIndex, settle_every: int = 4) -> None:
         )
         ctl.refresh(force=True)
         ctl.policy.blocks = replica
-        lat, cpu = [], []
+        lat, cpu, follows = [], [], []
         version = view.version
         for i in range(10_000):
             n = 32 + i % 97
@@ -173,15 +175,18 @@ def decide(idx: BlockIndex, settle_every: int = 4) -> None:
             lat.append(time.perf_counter() - t0)
             cpu.append(time.thread_time() - c0)
             assert d.outcome is Outcome.ADMIT, d
+            follows.append(i % settle_every == 0)
             if i % settle_every == settle_every - 1:  # placed: the ranks show the tickets
                 version += 1
                 ctl.load_view(dataclasses.replace(shown, version=version))
-        lat, cpu = lat[500:], cpu[500:]
+        lat, cpu, follows = lat[500:], cpu[500:], follows[500:]
         key = "gpu only" if router in results else router
         results[key] = percentile(lat, 0.99)
         medians[key] = percentile(lat, 0.5)
         cpu_p99[key] = percentile(cpu, 0.99)
         # wall time the thread did not run: the operating system's part of the tail
+        settled_p99[key] = percentile([t for t, f in zip(lat, follows, strict=True) if not f], 0.99)
+        first_p50[key] = percentile([t for t, f in zip(lat, follows, strict=True) if f], 0.5)
         waited[key] = sum(1 for w, c in zip(lat, cpu, strict=True) if w - c > 20e-6) / len(lat)
     base = results[Router.LEAST_LOADED]
     info("decide() least_loaded, median (same run)", medians[Router.LEAST_LOADED] * 1e6, "us")
@@ -194,6 +199,14 @@ def decide(idx: BlockIndex, settle_every: int = 4) -> None:
         report(f"  its CPU time p99: the code's own tail ({where})", cpu_p99[key] * 1e6, "us",
                100.0)  # fmt: skip
         info("  calls that waited > 20 us off the CPU (the OS's)", 100 * waited[key], "%")
+        info(
+            f"  p99 of the calls not right after a refresh ({where})", settled_p99[key] * 1e6, "us"
+        )
+        info(
+            f"  the first call after a refresh, median ({where}; a refresh every {settle_every})",
+            first_p50[key] * 1e6,
+            "us",
+        )
     info("decide() least_loaded, CPU time p99 (same run)", cpu_p99[Router.LEAST_LOADED] * 1e6, "us")
 
 

@@ -96,8 +96,8 @@ def start_controllers(
 class SchedulerActor:
     def __init__(self, namespace: str, settings: SchedulerSettings) -> None:
         self.client = KVFoldClient(namespace=namespace)
-        self.scheduler = ReplayScheduler(
-            self.client.view, settings, index_source=self.client.block_index_since
+        self.scheduler = ReplayScheduler(  # capacity as deltas (KVFoldClient.capacity)
+            self.client, settings, index_source=self.client.block_index_since
         )
 
     def controller_id(self) -> str:

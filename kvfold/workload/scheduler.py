@@ -14,7 +14,7 @@ A request its rank refused goes back to the head of the queue and is decided aga
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,6 @@ from kvfold.admission import (
 from kvfold.admission.controller import IndexSource
 from kvfold.admission.routing import as_router
 from kvfold.checks import check_int, check_positive
-from kvfold.view import ClusterView
 from kvfold.worker.hashing import block_keys
 from kvfold.workload.requests import TraceRequest
 
@@ -95,7 +94,7 @@ class StepOutcome:
 class ReplayScheduler:
     def __init__(
         self,
-        view_source: Callable[[], ClusterView],
+        view_source: Any,  # AdmissionController's: a KVFoldClient, or a callable of views
         settings: SchedulerSettings,
         index_source: IndexSource | None = None,
     ) -> None:
