@@ -12,8 +12,10 @@ import statistics
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -234,36 +236,40 @@ def _capacity_against_view(
     view_delta = view_sender.since(view_asked)
     assert view_delta is not None
 
-    def by_capacity() -> AdmissionPolicy:
+    def reset_capacity() -> None:
         cap_reader._table, cap_reader.index = copy.deepcopy((base_table, base_index))
-        policy = AdmissionPolicy(controller_id=cid)
-        policy.index = base_index
-        t0 = time.perf_counter()
+
+    def take_capacity(policy: AdmissionPolicy) -> None:
         index = cap_reader.apply(cap_delta, cap_asked)
         assert index is not None
         policy.load_capacity(index, 0.0)
-        timed.append(time.perf_counter() - t0)
-        return policy
 
-    def by_view() -> AdmissionPolicy:
+    def reset_view() -> None:
         view_reader.view, view_reader.epoch = v1, view_asked[0]
-        policy = AdmissionPolicy(controller_id=cid)
-        policy.index = base_index
-        t0 = time.perf_counter()
+
+    def take_view(policy: AdmissionPolicy) -> None:
         view = view_reader.apply(view_delta, view_asked)
         assert view is not None
         policy.load_view(view, 0.0)
+
+    def refresh(reset: Callable[[], None], take: Callable[[AdmissionPolicy], None]) -> Any:
+        """A controller holding v1's index takes v2 (timed: the take alone)."""
+        reset()
+        policy = AdmissionPolicy(controller_id=cid)
+        policy.index = base_index
+        t0 = time.perf_counter()
+        take(policy)
         timed.append(time.perf_counter() - t0)
         return policy
 
     timed: list[float] = []
-    assert by_capacity().index.same_as(CapacityIndex.of_view(v2, cid))  # type: ignore[union-attr]
+    assert refresh(reset_capacity, take_capacity).index.same_as(CapacityIndex.of_view(v2, cid))
     for _ in range(15):
-        by_capacity()
+        refresh(reset_capacity, take_capacity)
     t_cap = statistics.median(timed[1:])
     timed.clear()
     for _ in range(5):
-        by_view()
+        refresh(reset_view, take_view)
     return t_cap, statistics.median(timed), len(cap_delta), len(view_delta)
 
 

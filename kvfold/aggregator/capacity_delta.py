@@ -33,7 +33,7 @@ from kvfold.admission.capacity import (
     node_rows,
     rank_columns,
 )
-from kvfold.aggregator.view_delta import NOTHING
+from kvfold.aggregator.view_delta import KEEP, NOTHING, TAKE, what_to_do
 from kvfold.stats import Window
 from kvfold.view import ClusterView, NodeUtilization
 
@@ -152,10 +152,9 @@ class CapacityReader:
                 return old
             epoch, version, whole, rank_to_node, windows, packed = delta
             held = (self.epoch, old.version) if old is not None else NOTHING
-            if held[0] == epoch and version <= held[1]:
-                return old
-            if not whole and held != asked:
-                return None
+            todo = what_to_do(held, epoch, version, whole, asked)
+            if todo != TAKE:
+                return old if todo == KEEP else None
             if whole:
                 self._table = CapacityTable(rank_to_node)
             assert self._table is not None

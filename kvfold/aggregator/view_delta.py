@@ -34,6 +34,21 @@ _TOTALS = ("built_at_s", "gpu", "host", "num_sequences_by_status", "counters", "
 
 
 NOTHING: tuple[bytes, int] = (b"", 0)  # a reader's position before its first view
+KEEP, ASK_AGAIN, TAKE = "keep", "ask_again", "take"
+
+
+def what_to_do(
+    held: tuple[bytes, int], epoch: bytes, version: int, whole: bool, asked: tuple[bytes, int]
+) -> str:
+    """What a reader holding `held` does with a sender's answer (its epoch, version, and
+    whether it is whole) to `since(asked)`: KEEP what it holds (as new or newer, from the
+    same sender), ASK_AGAIN (a delta from a version it no longer holds: another thread
+    moved it on), or TAKE it. Readers of views and of capacity alike."""
+    if held[0] == epoch and version <= held[1]:
+        return KEEP
+    if not whole and held != asked:
+        return ASK_AGAIN
+    return TAKE
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,10 +151,9 @@ class ViewReader:
                     raise ValueError("view delta: nothing sent and no view held")
                 return old
             held = (self.epoch, old.version) if old is not None else NOTHING
-            if held[0] == delta.epoch and delta.version <= held[1]:
-                return old  # what it holds is as new or newer
-            if not delta.whole and held != asked:
-                return None
+            todo = what_to_do(held, delta.epoch, delta.version, delta.whole, asked)
+            if todo != TAKE:
+                return old if todo == KEEP else None
             if delta.whole:
                 assert delta.rank_to_node is not None
                 rank_to_node = delta.rank_to_node
