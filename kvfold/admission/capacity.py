@@ -206,6 +206,30 @@ class CapacityTable:
         )
 
 
+class ViewCapacity:
+    """The index of each whole view a controller is given, computing rows only for the
+    node entries that are not the very objects of the view before (ClusterState and
+    ViewReader keep the entries that did not change). Not thread-safe."""
+
+    def __init__(self, controller_id: str) -> None:
+        self.controller_id = controller_id
+        self._entries: tuple[NodeUtilization, ...] = ()
+        self._table: CapacityTable | None = None
+
+    def index(self, view: ClusterView) -> CapacityIndex:
+        table, old = self._table, self._entries
+        if table is None or table.rank_to_node != view.rank_to_node:
+            table, old = CapacityTable(view.rank_to_node), ()
+        changed = [
+            node_rows(entry)
+            for n, entry in enumerate(view.nodes)
+            if n >= len(old) or entry is not old[n]
+        ]
+        table.take(rank_columns(changed, self.controller_id))
+        self._table, self._entries = table, view.nodes
+        return table.index(view.version)
+
+
 class CapacityIndex:
     """Per-rank capacity of one view as arrays (windows x ranks), so a decision is a few
     vector ops. Read-only once built; ranks that are not candidates have room and total

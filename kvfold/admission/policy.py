@@ -28,7 +28,7 @@ import socket
 import numpy as np
 import numpy.typing as npt
 
-from kvfold.admission.capacity import CapacityIndex
+from kvfold.admission.capacity import CapacityIndex, ViewCapacity
 from kvfold.admission.decision import AdmissionRequest, Decision, Outcome
 from kvfold.admission.reservations import ReservationBook
 from kvfold.admission.routing import RankChooser, Router, RoutingWeights
@@ -83,6 +83,7 @@ class AdmissionPolicy:
         self.controller_id = check_controller_id(controller_id or new_controller_id())
         self.num_controllers = num_controllers
         self.index: CapacityIndex | None = None
+        self._views = ViewCapacity(self.controller_id)  # for load_view: rows of changed nodes
         self.book = ReservationBook()  # promises the ranks have not shown yet
         self.last_ticket = 0
         self.settled = 0  # reservations released because a view showed their ticket
@@ -120,7 +121,7 @@ class AdmissionPolicy:
         if self.index is not None and view.version <= self.index.version:
             self.expire(now_s)
             return
-        self.load_capacity(CapacityIndex.of_view(view, self.controller_id), now_s)
+        self.load_capacity(self._views.index(view), now_s)
 
     def load_capacity(self, idx: CapacityIndex, now_s: float) -> None:
         """load_view for a view's capacity alone (kvfold.aggregator.capacity_delta)."""

@@ -7,7 +7,8 @@ an engine's (commitments unknown); nodes go stale and dead as time passes; the
 aggregator restarts with versions above or below the old ones. Two controllers read at
 their own pace, answers also applied late. Every index a controller rebuilds must be the
 index of the view that aggregator had at that version, as a recount from the view's
-ranks says it is, and a report that moved nothing a decision reads sends no node.
+ranks says it is, and a report that moved nothing a decision reads sends no node. A
+controller given every whole view (ViewCapacity) holds the same index.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvfold.admission.capacity import CapacityIndex
+from kvfold.admission.capacity import CapacityIndex, ViewCapacity
 from kvfold.aggregator.capacity_delta import CapacityReader, CapacitySender
 from kvfold.aggregator.cluster_state import ClusterState
 from kvfold.aggregator.fold import fold_node
@@ -100,6 +101,7 @@ class CapacityDeltas(RuleBasedStateMachine):
         self.state = ClusterState(TOPO, WINDOWS, 1.0, 2.0, version_base=1000)
         self.sender = CapacitySender()
         self.readers = {c: CapacityReader() for c in CONTROLLERS}
+        self.whole_views = {c: ViewCapacity(c) for c in CONTROLLERS}
         self.seqs = [0] * TOPO.num_nodes
         self.used = [0] * TOPO.world_size
         self.tickets: list[dict[str, int]] = [{} for _ in range(TOPO.world_size)]
@@ -111,6 +113,8 @@ class CapacityDeltas(RuleBasedStateMachine):
         view = self.state.view(self.now)
         self.sender.update(view)
         self.history[(self.sender.epoch, view.version)] = view
+        for c, whole in self.whole_views.items():  # a controller given whole views
+            assert whole.index(view).same_as(CapacityIndex.of_view(view, c))
         return view
 
     def _report(self, node: int) -> None:
