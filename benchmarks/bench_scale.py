@@ -140,8 +140,8 @@ class Reader:
 
         from kvfold.admission import AdmissionController, AdmissionRequest
         from kvfold.aggregator.capacity_delta import CapacityReader
-        from kvfold.aggregator.client import IndexClient
         from kvfold.aggregator.view_delta import ViewReader
+        from kvfold.blockindex.client import IndexClient
         from kvfold.blockindex.events import BlockStored
         from kvfold.workload.fleet_load import SHARED_TAG, probe_sent_s, report_sent_s
 

@@ -2,7 +2,7 @@
 
 The core (topology, stats, worker, aggregator folds, admission policy) is plain
 Python with no Ray import; the Ray shells live in `*_actor.py`, `cluster/`,
-`aggregator/client.py` and `cli.py`, and are imported lazily here.
+the `client.py` modules and `cli.py`, and are imported lazily here.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ from typing import Any
 
 import ray
 
-from kvfold.aggregator.client import IndexClient
 from kvfold.aggregator.view_delta import ViewReader
+from kvfold.blockindex.client import IndexClient
 from kvfold.blockindex.feed import NO_CURSOR, Replica
 from kvfold.naming import AGGREGATOR_NAME
 from kvfold.serving.door_admission import (

@@ -69,6 +69,7 @@ FLOORS: tuple[tuple[int, tuple[str, ...]], ...] = (
          "kvfold.worker.remote_host_actor", "kvfold.worker.report_actor",
          "kvfold.aggregator.node_actor",
          "kvfold.aggregator.cluster_actor", "kvfold.aggregator.client", "kvfold.cluster",
+         "kvfold.blockindex.client",
          "kvfold.cli", "kvfold.aggregator")),
 )  # fmt: skip
 
