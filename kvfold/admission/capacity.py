@@ -143,7 +143,6 @@ class CapacityTable:
 
     def __init__(self, rank_to_node: Sequence[int]) -> None:
         self.rank_to_node = tuple(rank_to_node)
-        self._rank_to_node = np.asarray(self.rank_to_node, dtype=np.int64)
         n = len(self.rank_to_node)
         self.windows: list[Window] = []
         self.status = np.zeros(n, dtype=np.int8)
@@ -195,7 +194,6 @@ class CapacityTable:
         return CapacityIndex(
             version,
             self.rank_to_node,
-            self._rank_to_node,
             tuple(self.windows[i] for i in present),
             int(known[0]) if known.size else 0,
             np.where(held[present], self.room[present], 0),
@@ -239,7 +237,6 @@ class CapacityIndex:
         self,
         version: int,
         rank_to_node: tuple[int, ...],
-        rank_to_node_array: npt.NDArray[np.int64],
         windows: tuple[Window, ...],
         tokens_per_block: int,
         room: IntArray,
@@ -249,8 +246,7 @@ class CapacityIndex:
         seen: IntArray,
     ) -> None:
         self.version = version
-        self.rank_to_node_tuple = rank_to_node
-        self.rank_to_node = rank_to_node_array
+        self.rank_to_node = rank_to_node
         self.world_size = len(rank_to_node)
         self.windows = windows
         self.col = {w: i for i, w in enumerate(windows)}
@@ -273,7 +269,7 @@ class CapacityIndex:
         """Equal in everything a decision reads (for tests and checks)."""
         return (
             self.version == other.version
-            and self.rank_to_node_tuple == other.rank_to_node_tuple
+            and self.rank_to_node == other.rank_to_node
             and self.windows == other.windows
             and self.tokens_per_block == other.tokens_per_block
             and self.num_unknown == other.num_unknown

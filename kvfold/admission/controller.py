@@ -64,11 +64,9 @@ class AdmissionController:
         self._capacity: Callable[[str], CapacityIndex] | None = None
         if callable(view_source):
             self._fetch: Callable[[], ClusterView] = view_source
-        elif hasattr(view_source, "capacity"):
-            self._capacity = view_source.capacity
-            self._fetch = view_source.view
         elif hasattr(view_source, "view"):
             self._fetch = view_source.view
+            self._capacity = getattr(view_source, "capacity", None)  # KVFoldClient's
         else:
             raise TypeError(
                 f"view_source must have .view() or be callable, got {type(view_source).__name__}"
@@ -111,12 +109,9 @@ class AdmissionController:
             return
         self._last_refresh_s = now
         got: ClusterView | CapacityIndex
+        want = ClusterView if self._capacity is None else CapacityIndex
         try:
-            if self._capacity is not None:
-                got = self._capacity(self.controller_id)
-                want: type = CapacityIndex
-            else:
-                got, want = self._fetch(), ClusterView
+            got = self._fetch() if self._capacity is None else self._capacity(self.controller_id)
             if not isinstance(got, want):
                 gave = type(got).__name__
                 raise TypeError(f"the view source gave a {gave}, not a {want.__name__}")
@@ -124,15 +119,13 @@ class AdmissionController:
             self.view_error = f"{type(e).__name__}: {e}"[:300]
             return
         self.view_error = None
-        if isinstance(got, CapacityIndex):
-            with self.lock:
+        with self.lock:
+            if isinstance(got, CapacityIndex):
                 self.policy.load_capacity(got, self.clock())
-            rank_to_node = got.rank_to_node_tuple
-        else:
-            self.load_view(got)
-            rank_to_node = got.rank_to_node
+            else:
+                self.policy.load_view(got, self.clock())
         if self._index_source is not None:
-            self._update_index(rank_to_node)
+            self._update_index(got.rank_to_node)
 
     def _update_index(self, rank_to_node: tuple[int, ...]) -> None:
         replica = self.policy.blocks

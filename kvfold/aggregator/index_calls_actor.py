@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from kvfold.blockindex.events import HOST, RANK, BlockHash, EventError, decode_envelope
+from kvfold.blockindex.events import RANK, BlockHash, EventError, decode_envelope
 from kvfold.blockindex.feed import IndexFeed
 from kvfold.blockindex.liveness import Liveness, sources_gone
 from kvfold.naming import node_actor_name, rank_actor_name
@@ -96,17 +96,13 @@ class IndexCalls:
         shard whose aggregator is away), nothing is dropped, but sources still resync."""
         with self.blocks_lock:
             feed = self.blocks
-            to_node = feed.index.rank_to_node
-            held = set(feed.streams) | set(feed.index.held)
-            nodes = {
-                i if kind == HOST else to_node[i]
-                for kind, i in held
-                if kind == HOST or 0 <= i < len(to_node)
-            }
+            sources = set(feed.streams) | set(feed.index.held)
+            nodes = set(map(feed.index.node_of, sources))
+        # asked with the lock free (a rack asks the aggregator); a source come since is
+        # judged next tick
         known = self._liveness(nodes) if nodes else None
         with self.blocks_lock:
             if known is not None:
-                sources = set(feed.streams) | set(feed.index.held)
                 lives = {s: feed.life(s) for s in sources}
                 for source in sources_gone(known, sources, lives):
                     feed.drop(source)

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfold.blockindex.events import HOST, BlockHash, Envelope, Event
+from kvfold.blockindex.events import BlockHash, Envelope, Event
 from kvfold.blockindex.index import BlockIndex, Source
 from kvfold.stats import Window
 
@@ -65,15 +65,10 @@ def apply_op(index: BlockIndex, op: Op) -> None:
         index.reset(op[1], op[2], op[3], op[4])
     elif kind == "clear_nodes":
         nodes = op[1]
-        for source in [s for s in index.held if _node_of(index, s) in nodes]:
+        for source in [s for s in index.held if index.node_of(s) in nodes]:
             index.clear(source)
     else:
         index.clear(op[1])
-
-
-def _node_of(index: BlockIndex, source: Source) -> int:
-    kind, i = source
-    return i if kind == HOST else index.rank_to_node[i]
 
 
 def is_shard_cursor(cursor: Any) -> bool:

@@ -76,6 +76,11 @@ class BlockIndex:
             sets.append(set())
         return sets[g]
 
+    def node_of(self, source: Source) -> int:
+        """The node a (known) source is on: a host tier's own, a rank's node."""
+        kind, i = source
+        return i if kind == HOST else self.rank_to_node[i]
+
     def check_source(self, source: Source) -> None:
         kind, i = source
         known = 0 <= i < self.world_size if kind == RANK else kind == HOST and i in self.node_mask
