@@ -216,17 +216,18 @@ class AdmissionPolicy:
             if not could.any():
                 return Decision(Outcome.REJECT, "exceeds_rank_capacity", version, blocks=need)
         room = self._room
-        single = len(need_list) == 1
-        need_col = np.array(need_list)[:, None]
-        fits: npt.NDArray[np.bool_] = could & (
-            room[0] >= need_list[0] if single else (room >= need_col).all(0)
-        )
+        fits = room[0] >= need_list[0]  # window by window: no (windows, ranks) temporaries
+        for i in range(1, len(need_list)):
+            fits &= room[i] >= need_list[i]
+        fits &= could
+        any_fits = fits.any()
         overflow = False
-        if not fits.any() and self.num_controllers > 1:
+        if not any_fits and self.num_controllers > 1:
+            need_col = np.array(need_list)[:, None]
             room = self._whole_room_where_no_lease_fits(idx, need_col)
             fits = could & np.all(room >= need_col, axis=0)
-            overflow = True
-        if not fits.any():
+            any_fits = overflow = fits.any()
+        if not any_fits:
             return Decision(Outcome.QUEUE, "insufficient_free_blocks", version, blocks=need)
         rank, prefix = self.chooser.choose(
             request,
@@ -240,12 +241,9 @@ class AdmissionPolicy:
         )
         self.last_ticket += 1
         self.book.add(request.request_id, rank, self.last_ticket, need, now_s)
-        if single:
-            self.reserved[0, rank] += need_list[0]
-            self._room[0, rank] -= need_list[0]
-        else:
-            self.reserved[:, rank] += need_col[:, 0]
-            self._room[:, rank] -= need_col[:, 0]
+        for i, n in enumerate(need_list):
+            self.reserved[i, rank] += n
+            self._room[i, rank] -= n
         self.chooser.sent_to(request, rank, now_s)
         return Decision(
             Outcome.ADMIT,

@@ -86,26 +86,24 @@ class RoutingWeights:
             raise ValueError(f"onboard_cost must be in [0, 1], got {self.onboard_cost!r}")
 
 
-def precise_cost(
-    match: Match, prompt_blocks: int, weights: RoutingWeights, *load_blocks: IntArray
-) -> npt.NDArray[np.float64]:
-    """cost(r) per rank (lower is better), `load_blocks` summed for active blocks; see the
-    module's docstring. Written out:
-    (w + 1) P + load - (w + 1 - w (1 - c)) gpu - w (1 - c) total."""
+def cheapest(
+    match: Match,
+    fits: BoolArray,
+    room: IntArray,
+    weights: RoutingWeights,
+    committed: IntArray,
+    reserved: IntArray,
+) -> int:
+    """The rank that fits with the lowest cost(r) (the module's docstring), written out as
+    (w + 1) P + load - (w + 1 - w (1 - c)) gpu - w (1 - c) total with load = `committed`
+    + `reserved` per rank; ties to the most room in the tightest window (`room`: per
+    window and rank, read only on a tie), then to the lower rank. The term (w + 1) P is
+    the same for every rank and left out: one float array, made from the load where a
+    rank fits (infinite elsewhere), with the match added class by class."""
     w, c = weights.overlap_weight, weights.onboard_cost
     host_w = w * (1.0 - c)
-    cost = match.weighted(host_w - w - 1.0, -host_w)  # in place from here: one array
-    for load in load_blocks:
-        cost += load
-    cost += (w + 1.0) * prompt_blocks
-    return cost
-
-
-def lowest(cost: npt.NDArray[np.float64], fits: BoolArray, room: IntArray) -> int:
-    """The rank that fits with the lowest cost; ties to the most room in the tightest
-    window (`room`: per window and rank, looked at only when there is a tie). `cost` is
-    overwritten where a rank does not fit."""
-    np.copyto(cost, np.inf, where=~fits)
+    cost = np.where(fits, committed + reserved, np.inf)
+    match.add_weighted(cost, host_w - w - 1.0, -host_w)
     best = int(cost.argmin())
     tied = cost == cost[best]
     if np.count_nonzero(tied) == 1:
@@ -169,8 +167,7 @@ class RankChooser:
             P, B = request.prompt_tokens, tokens_per_block
             match = blocks.index.match(keys, P)
             match = self.sent.overlay(match, keys, (P - 1) // B, now_s)
-            cost = precise_cost(match, -(-P // B), self.weights, committed, reserved[0])
-            rank = lowest(cost, fits, room)
+            rank = cheapest(match, fits, room, self.weights, committed, reserved[0])
             return rank, match.of(rank)[1]
         if router is Router.APPROX_PREFIX and keys:
             best, best_len = -1, 0

@@ -5,7 +5,7 @@ Per rank two runs, in blocks from the prompt's first: `gpu` on the rank's own GP
 ranks hold nothing of a given prompt, and those that do hold it to a few depths (a
 system prompt, an earlier turn), so an answer is kept as a few disjoint classes of
 ranks with one (gpu, total) each: `Runs`. A router reads one rank, the longest run, or
-a weighted sum over all ranks from it, touching only the ranks that hold something.
+adds a weighted sum onto its scores from it, touching only the ranks that hold something.
 Pure; no Ray.
 """
 
@@ -51,12 +51,11 @@ class Runs:
             total[ranks] = t
         return gpu, total
 
-    def weighted(self, gpu_weight: float, total_weight: float) -> FloatArray:
-        """gpu_weight x gpu + total_weight x total, per rank: one store per class."""
-        out = np.zeros(self.world_size, dtype=np.float64)
+    def add_weighted(self, out: FloatArray, gpu_weight: float, total_weight: float) -> None:
+        """out += gpu_weight x gpu + total_weight x total, per rank: one add per class."""
+        n = self.world_size
         for g, t, mask in zip(self.gpu, self.total, self.masks, strict=True):
-            out[ranks_of(mask, self.world_size)] = gpu_weight * g + total_weight * t
-        return out
+            out[ranks_of(mask, n)] += gpu_weight * g + total_weight * t
 
     @property
     def longest(self) -> int:
@@ -123,7 +122,7 @@ class Match:
     full-attention positions: for sliding windows, the covered prefix.
 
     Kept as `Runs` (or, where window groups were combined, as arrays); `of`, `longest`
-    and `weighted` read the runs, and the arrays are made only when asked for. `held`
+    and `add_weighted` read the runs, and the arrays are made only when asked for. `held`
     raises some ranks' (gpu, total): what a controller just sent there, say."""
 
     __slots__ = ("_arrays", "_held", "_runs", "world_size")
@@ -147,8 +146,10 @@ class Match:
     def of(self, rank: int) -> tuple[int, int]:
         """One rank's (gpu, total)."""
         held = self._held.get(rank)
-        if held is not None:
-            return held
+        return held if held is not None else self._base_of(rank)
+
+    def _base_of(self, rank: int) -> tuple[int, int]:
+        """One rank's (gpu, total), before `held`."""
         if self._runs is not None:
             return self._runs.of(rank)
         gpu, total = self._base_arrays()
@@ -179,16 +180,17 @@ class Match:
         """Per rank, `gpu` and the blocks its node's host tier holds right after. Read-only."""
         return self._with_held(1)
 
-    def weighted(self, gpu_weight: float, total_weight: float) -> FloatArray:
-        """gpu_weight x gpu + total_weight x total, per rank, as floats."""
+    def add_weighted(self, out: FloatArray, gpu_weight: float, total_weight: float) -> None:
+        """out += gpu_weight x gpu + total_weight x total, per rank, in place, touching
+        only the ranks that hold something (from runs: one add per class)."""
         if self._runs is not None:
-            out = self._runs.weighted(gpu_weight, total_weight)
+            self._runs.add_weighted(out, gpu_weight, total_weight)
         else:
             gpu, total = self._base_arrays()
-            out = gpu_weight * gpu + total_weight * total
+            out += gpu_weight * gpu + total_weight * total
         for rank, (g, t) in self._held.items():
-            out[rank] = gpu_weight * g + total_weight * t
-        return out
+            base_g, base_t = self._base_of(rank)
+            out[rank] += gpu_weight * (g - base_g) + total_weight * (t - base_t)
 
     @property
     def longest(self) -> int:

@@ -106,8 +106,11 @@ def test_match_equals_a_walk_of_every_ranks_keys(
     assert m.total.tolist() == want_total
     assert [m.of(r) for r in range(world)] == list(zip(want_gpu, want_total, strict=True))
     assert m.longest == max(want_total, default=0)
-    weighted = m.weighted(2.5, 0.75)
-    assert np.allclose(weighted, 2.5 * np.array(want_gpu) + 0.75 * np.array(want_total))
+    weighted = np.arange(world, dtype=np.float64)
+    m.add_weighted(weighted, 2.5, 0.75)
+    assert np.allclose(
+        weighted, np.arange(world) + 2.5 * np.array(want_gpu) + 0.75 * np.array(want_total)
+    )
 
     # a rank raised to at least (gpu, total), never lowered; total never below gpu
     r = sent_rank % world
@@ -116,7 +119,7 @@ def test_match_equals_a_walk_of_every_ranks_keys(
     want_total[r] = max(want_total[r], sent_total, sent_gpu)
     assert raised.of(r) == (want_gpu[r], want_total[r])
     assert raised.longest == max(want_total)
-    assert np.allclose(
-        raised.weighted(2.5, 0.75), 2.5 * np.array(want_gpu) + 0.75 * np.array(want_total)
-    )
+    weighted = np.ones(world)
+    raised.add_weighted(weighted, 2.5, 0.75)
+    assert np.allclose(weighted, 1 + 2.5 * np.array(want_gpu) + 0.75 * np.array(want_total))
     assert raised.gpu.tolist() == want_gpu and raised.total.tolist() == want_total
