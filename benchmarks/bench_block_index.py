@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import sys
 import time
 import tracemalloc
@@ -22,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np
+import numpy.typing as npt
 from _report import info, percentile, report
 from bench_admission import view_at_scale
 
@@ -140,74 +142,96 @@ def memory() -> None:
     assert idx.num_entries == 1_000_000
 
 
-def decide(idx: BlockIndex, settle_every: int = 4) -> None:
+def decisions(
+    idx: BlockIndex, router: Router, settle_every: int = 4, count: int = 6_000
+) -> tuple[list[float], list[int | None]]:
+    """One controller deciding `count` requests of 32 to 128 blocks of the hot prompt:
+    each call's wall time, and where each went. Its clock steps 200 us a call, so
+    the same index gives the same decisions, run after run."""
     view = view_at_scale(WORLD, GPN)
     # the same ranks, showing every ticket the controller could have handed out
     shown = view_at_scale(WORLD, GPN, 2, {r: {"bench": 10**9} for r in range(WORLD)})
     prompt = _keys(128, 10**9)
     replica = Replica(RANK_TO_NODE)
     replica.index = idx
-    results: dict[object, float] = {}  # p99 per router
-    medians: dict[object, float] = {}
-    cpu_p99: dict[object, float] = {}  # the code's own: CPU time of the call, p99
-    waited: dict[object, float] = {}  # share of calls that waited > 20 us off the CPU
-    settled_p99: dict[object, float] = {}  # p99 of the calls that do not follow a refresh
-    first_p50: dict[object, float] = {}  # median of the first call after each refresh
-    for router in (Router.LEAST_LOADED, Router.PRECISE_PREFIX, Router.PRECISE_PREFIX):
-        if router in results:  # the second time: the same index with no host tiers
-            replica.index = hot_index(host=False)[0]
-        ctl = AdmissionController(
-            lambda: view,
-            refresh_interval_s=3600.0,
-            controller_id="bench",
-            router=router,
-            index_source=lambda cursor: (cursor, [], False),
+    ticks = itertools.count()
+    ctl = AdmissionController(
+        lambda: view,
+        refresh_interval_s=3600.0,
+        clock=lambda: next(ticks) * 200e-6,
+        controller_id="bench",
+        router=router,
+        index_source=lambda cursor: (cursor, [], False),
+    )
+    ctl.refresh(force=True)
+    ctl.policy.blocks = replica
+    lat: list[float] = []
+    ranks: list[int | None] = []
+    version = view.version
+    for i in range(count):
+        n = 32 + i % 97
+        req = AdmissionRequest(f"r{i}", n * 16 + 1, 256, tuple(prompt[:n]))
+        t0 = time.perf_counter()
+        d = ctl.decide(req)
+        lat.append(time.perf_counter() - t0)
+        assert d.outcome is Outcome.ADMIT, d
+        ranks.append(d.rank)
+        if i % settle_every == settle_every - 1:  # placed: the ranks show the tickets
+            version += 1
+            ctl.load_view(dataclasses.replace(shown, version=version))
+    return lat, ranks
+
+
+def decide(idx: BlockIndex, runs: int = 5, settle_every: int = 4, warm: int = 500) -> None:
+    """decide() p99, and the code's own part of it. On a virtual machine the thread's CPU
+    time counts what the host takes from it (it matched the wall time call for call), so
+    it cannot tell. Instead every configuration runs the same decisions `runs` times,
+    interleaved with the others: a decision's fastest run is its own cost, and the p99
+    of those is the code's tail; what the runs add beyond it is the machine's."""
+    configs = {
+        Router.LEAST_LOADED: idx,
+        "GPU and host tiers": idx,
+        "GPU only": hot_index(host=False)[0],
+    }
+    times: dict[object, list[list[float]]] = {key: [] for key in configs}
+    placed: dict[object, list[int | None]] = {}  # the first run's ranks: every run's
+    for _ in range(runs):
+        for key, index in configs.items():
+            router = Router.LEAST_LOADED if key is Router.LEAST_LOADED else Router.PRECISE_PREFIX
+            lat, ranks = decisions(index, router, settle_every)
+            assert placed.setdefault(key, ranks) == ranks, f"{key}: a run decided otherwise"
+            times[key].append(lat[warm:])
+    own = {key: np.min(np.array(t), axis=0) for key, t in times.items()}
+    pooled = {key: np.concatenate(t) for key, t in times.items()}
+    follows = np.arange(warm, warm + len(own[Router.LEAST_LOADED])) % settle_every == 0
+
+    def us(samples: npt.NDArray[np.float64], q: float) -> float:
+        return float(np.percentile(samples, q)) * 1e6
+
+    least, least_own = pooled[Router.LEAST_LOADED], own[Router.LEAST_LOADED]
+    info("decide() least_loaded, median (same run)", us(least, 50), "us")
+    info("decide() least_loaded, p99 (same run)", us(least, 99), "us")
+    info("  its own (each call's fastest run), median", us(least_own, 50), "us")
+    info("  its own, p99", us(least_own, 99), "us")
+    for key in ("GPU and host tiers", "GPU only"):
+        runs_all, fastest = pooled[key], own[key]
+        info(f"decide() precise_prefix, median ({key})", us(runs_all, 50), "us")
+        report(f"decide() precise_prefix, p99, 1,024 ranks ({key})", us(runs_all, 99), "us", 100)
+        report(
+            f"  the code's own p99: each call's fastest of {runs} runs", us(fastest, 99), "us", 100
         )
-        ctl.refresh(force=True)
-        ctl.policy.blocks = replica
-        lat, cpu, follows = [], [], []
-        version = view.version
-        for i in range(10_000):
-            n = 32 + i % 97
-            req = AdmissionRequest(f"r{i}", n * 16 + 1, 256, tuple(prompt[:n]))
-            c0, t0 = time.thread_time(), time.perf_counter()
-            d = ctl.decide(req)
-            lat.append(time.perf_counter() - t0)
-            cpu.append(time.thread_time() - c0)
-            assert d.outcome is Outcome.ADMIT, d
-            follows.append(i % settle_every == 0)
-            if i % settle_every == settle_every - 1:  # placed: the ranks show the tickets
-                version += 1
-                ctl.load_view(dataclasses.replace(shown, version=version))
-        lat, cpu, follows = lat[500:], cpu[500:], follows[500:]
-        key = "gpu only" if router in results else router
-        results[key] = percentile(lat, 0.99)
-        medians[key] = percentile(lat, 0.5)
-        cpu_p99[key] = percentile(cpu, 0.99)
-        # wall time the thread did not run: the operating system's part of the tail
-        settled_p99[key] = percentile([t for t, f in zip(lat, follows, strict=True) if not f], 0.99)
-        first_p50[key] = percentile([t for t, f in zip(lat, follows, strict=True) if f], 0.5)
-        waited[key] = sum(1 for w, c in zip(lat, cpu, strict=True) if w - c > 20e-6) / len(lat)
-    base = results[Router.LEAST_LOADED]
-    info("decide() least_loaded, median (same run)", medians[Router.LEAST_LOADED] * 1e6, "us")
-    info("decide() least_loaded, p99 (same run)", base * 1e6, "us")
-    for key, where in ((Router.PRECISE_PREFIX, "GPU and host tiers"), ("gpu only", "GPU only")):
-        info(f"decide() precise_prefix, median ({where})", medians[key] * 1e6, "us")
-        report(f"decide() precise_prefix, p99, 1,024 ranks ({where})", results[key] * 1e6, "us",
-               100.0)  # fmt: skip
-        info("  ratio to least_loaded", results[key] / base, "x")
-        report(f"  its CPU time p99: the code's own tail ({where})", cpu_p99[key] * 1e6, "us",
-               100.0)  # fmt: skip
-        info("  calls that waited > 20 us off the CPU (the OS's)", 100 * waited[key], "%")
+        info("  the code's own median", us(fastest, 50), "us")
         info(
-            f"  p99 of the calls not right after a refresh ({where})", settled_p99[key] * 1e6, "us"
+            "  its own median, ratio to least_loaded's own",
+            us(fastest, 50) / us(least_own, 50),
+            "x",
         )
-        info(
-            f"  the first call after a refresh, median ({where}; a refresh every {settle_every})",
-            first_p50[key] * 1e6,
-            "us",
-        )
-    info("decide() least_loaded, CPU time p99 (same run)", cpu_p99[Router.LEAST_LOADED] * 1e6, "us")
+        medians = sorted(us(np.array(t), 50) for t in times[key])
+        info("  the runs' medians, lowest (the machine's spread)", medians[0], "us")
+        info("  the runs' medians, highest", medians[-1], "us")
+        after = f"  its own, the first call after a refresh (every {settle_every}), median"
+        info(after, us(fastest[follows], 50), "us")
+        info("  its own, the other calls, p99", us(fastest[~follows], 99), "us")
 
 
 if __name__ == "__main__":
