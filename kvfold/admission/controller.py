@@ -6,12 +6,17 @@
         rank.add_sequence("r1", prompt, max_new_tokens=128, policy=d.policy, ticket=d.ticket)
     ... if it is never placed (cancelled, refused): controller.release("r1")
 
-Views are refreshed at most every `refresh_interval_s` (a decision never waits
-on the network otherwise). A source with `.capacity(controller_id)` (KVFoldClient) is
-read for the view's capacity alone, as deltas of a few numbers per rank
-(kvfold.aggregator.capacity_delta); any other for whole ClusterViews. A view source that
-fails in any way, or answers with something that is not a ClusterView (or
-CapacityIndex), makes decisions QUEUE with reason `no_fresh_view`. Decisions are counted
+Views are refreshed at most every `refresh_interval_s`: by the decision that finds the
+last one due (it waits on the network then), or, with `refresh_in_background=True`, by a
+thread of the controller's own, so that a decision never waits on the network; a view
+not renewed within `view_timeout_s` then makes decisions QUEUE (`no_fresh_view`), as a
+failed fetch does. `close()` stops that thread.
+
+A source with `.capacity(controller_id)` (KVFoldClient) is read for the view's capacity
+alone, as deltas of a few numbers per rank (kvfold.aggregator.capacity_delta); any other
+for whole ClusterViews. A view source that fails in any way, or answers with something
+that is not a ClusterView (or CapacityIndex), makes decisions QUEUE with reason
+`no_fresh_view`. Decisions are counted
 by outcome and reason.
 
 Routing (kvfold.admission.routing): `precise_prefix` by default where the source also
@@ -34,6 +39,7 @@ from kvfold.admission.decision import AdmissionRequest, Decision, Outcome, Polic
 from kvfold.admission.policy import AdmissionPolicy
 from kvfold.admission.routing import Router, RoutingWeights, as_router
 from kvfold.blockindex.feed import NO_CURSOR, Cursor, Replica
+from kvfold.checks import check_positive
 from kvfold.view import ClusterView
 
 IndexSource = Callable[[Cursor], tuple[Cursor, list[Any], bool]]
@@ -54,13 +60,18 @@ class AdmissionController:
         router: Router | str | None = None,
         index_source: IndexSource | None = None,
         weights: RoutingWeights | None = None,
+        refresh_in_background: bool = False,
+        view_timeout_s: float | None = None,
     ) -> None:
         """`controller_id`: unique per controller and start (generated when None);
         `num_controllers`: how many controllers, this one included, admit into the same
         ranks (each promises from its lease of every rank's room; docs/admission.md);
         `router`: a Router or its name (None: precise_prefix where there is an index
         source, else approx_prefix); `index_source(cursor)`: the block index's ops after
-        a cursor (default: the view source's `block_index_since`, if it has one)."""
+        a cursor (default: the view source's `block_index_since`, if it has one);
+        `refresh_in_background`: refresh in a thread of its own (needs a
+        refresh_interval_s > 0), and QUEUE once the view is older than `view_timeout_s`
+        (default: 10 intervals, at least 1 s)."""
         self._capacity: Callable[[str], CapacityIndex] | None = None
         if callable(view_source):
             self._fetch: Callable[[], ClusterView] = view_source
@@ -97,16 +108,61 @@ class AdmissionController:
         self.controller_id = self.policy.controller_id
         self.refresh_interval_s = refresh_interval_s
         self.clock = clock
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the policy's
+        self._fetching = threading.Lock()  # one refresh at a time: the source's readers
         self.decisions: Counter[tuple[str, str]] = Counter()
         self._last_refresh_s = float("-inf")
+        self._loaded_s = float("-inf")  # when the newest view was taken in (self.clock)
         self.view_error: str | None = None  # why the last fetch failed; None: it did not
+        if view_timeout_s is None:
+            view_timeout_s = max(1.0, 10 * refresh_interval_s)
+        check_positive("view_timeout_s", view_timeout_s)
+        self.view_timeout_s = view_timeout_s
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
+        if refresh_in_background:
+            check_positive("refresh_interval_s", refresh_interval_s)
+            self._refresher = threading.Thread(
+                target=self._refresh_every_interval,
+                name=f"kvfold-refresh-{self.controller_id}",
+                daemon=True,
+            )
+            self._refresher.start()
+
+    @property
+    def refreshing_in_background(self) -> bool:
+        return self._refresher is not None and self._refresher.is_alive()
+
+    def close(self) -> None:
+        """Stop refreshing in the background (and wait for a refresh in flight)."""
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join()
+
+    def __enter__(self) -> AdmissionController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _refresh_every_interval(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.refresh(force=True)
+            except Exception as e:  # a load that failed: said, and tried again next interval
+                self.view_error = f"{type(e).__name__}: {e}"[:300]
+            self._stop.wait(max(0.0, self.refresh_interval_s - (time.monotonic() - started)))
 
     def refresh(self, force: bool = False) -> None:
         """Fetch a view now (or if the last one is older than refresh_interval_s)."""
         now = self.clock()
         if not force and now - self._last_refresh_s < self.refresh_interval_s:
             return
+        with self._fetching:
+            self._refresh(now)
+
+    def _refresh(self, now: float) -> None:
         self._last_refresh_s = now
         got: ClusterView | CapacityIndex
         want = ClusterView if self._capacity is None else CapacityIndex
@@ -124,6 +180,7 @@ class AdmissionController:
                 self.policy.load_capacity(got, self.clock())
             else:
                 self.policy.load_view(got, self.clock())
+            self._loaded_s = self.clock()
         if self._index_source is not None:
             self._update_index(got.rank_to_node)
 
@@ -155,9 +212,13 @@ class AdmissionController:
             self.policy.load_view(view, self.clock())
 
     def decide(self, request: AdmissionRequest) -> Decision:
-        self.refresh()
+        background = self._refresher is not None
+        if not background:
+            self.refresh()
         with self.lock:
-            if self.view_error is not None:
+            if self.view_error is not None or (
+                background and self.clock() - self._loaded_s > self.view_timeout_s
+            ):
                 version = self.policy.index.version if self.policy.index else 0
                 d = Decision(Outcome.QUEUE, "no_fresh_view", version)
             else:

@@ -14,7 +14,7 @@ from typing import Any
 from kvfold.admission.controller import AdmissionController
 from kvfold.admission.decision import Policy
 from kvfold.admission.routing import Router, RoutingWeights, as_router
-from kvfold.checks import check_int, check_positive
+from kvfold.checks import check_bool, check_int, check_positive
 from kvfold.worker.tickets import check_controller_id
 
 SENT_TTL_S = RoutingWeights().sent_ttl_s
@@ -26,7 +26,9 @@ class ControllerSettings:
     cluster block index, else approx_prefix); sent_ttl_s: how long precise_prefix counts
     a prompt it sent as held by its rank before the index shows it; controller_id: None
     for a new one in the controller's process (new_controller_id), or one that no
-    controller has used with these ranks before (the ranks remember its tickets)."""
+    controller has used with these ranks before (the ranks remember its tickets);
+    refresh_in_background: refresh in a thread of the controller's own
+    (AdmissionController)."""
 
     policy: Policy = Policy.GUARANTEED_NO_EVICT
     num_controllers: int = 1
@@ -35,6 +37,7 @@ class ControllerSettings:
     router: str | None = None
     sent_ttl_s: float = SENT_TTL_S
     controller_id: str | None = None
+    refresh_in_background: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Policy):
@@ -51,6 +54,9 @@ class ControllerSettings:
         check_positive("sent_ttl_s", self.sent_ttl_s)
         if self.controller_id is not None:
             check_controller_id(self.controller_id)
+        check_bool("refresh_in_background", self.refresh_in_background)
+        if self.refresh_in_background:
+            check_positive("refresh_interval_s", self.refresh_interval_s)
 
     def build(self, view_source: Any | Callable[[], Any]) -> AdmissionController:
         """The controller these settings describe, on `view_source` (AdmissionController's)."""
@@ -63,6 +69,7 @@ class ControllerSettings:
             num_controllers=self.num_controllers,
             router=self.router,
             weights=RoutingWeights(sent_ttl_s=self.sent_ttl_s),
+            refresh_in_background=self.refresh_in_background,
         )
 
 
@@ -75,6 +82,7 @@ def settings_for_controllers(
     controller_ids: Sequence[str] | None = None,
     watermark_blocks: int = 0,
     refresh_interval_s: float = 0.05,
+    refresh_in_background: bool = False,
 ) -> list[ControllerSettings]:
     """One ControllerSettings per controller of `n` sharing the ranks (each told there
     are `n`); `controller_ids`: None (each makes its own), or `n` distinct ids."""
@@ -98,6 +106,7 @@ def settings_for_controllers(
             router.value if isinstance(router, Router) else router,
             sent_ttl_s,
             cid,
+            refresh_in_background,
         )
         for cid in ids
     ]

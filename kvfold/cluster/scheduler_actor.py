@@ -69,13 +69,16 @@ def start_controllers(
     controller_ids: Sequence[str] | None = None,
     watermark_blocks: int = 0,
     refresh_interval_s: float = 0.05,
+    refresh_in_background: bool = True,
 ) -> list[Any]:
     """`n` ControllerActors sharing the ranks (each told there are `n`), each in its
     own worker process, up when this returns. `router`: a Router or its name (None:
     precise_prefix, by the cluster block index); `sent_ttl_s`: how long a prompt sent
     counts as held before the index shows it; `controller_ids`: None (each makes a new
-    one), or `n` distinct ids no controller has used with these ranks before. Every
-    argument is checked (ValueError, TypeError) before any Ray call."""
+    one), or `n` distinct ids no controller has used with these ranks before;
+    `refresh_in_background`: each refreshes in a thread of its own, off the path of the
+    decide calls it serves. Every argument is checked (ValueError, TypeError) before any
+    Ray call."""
     settings = settings_for_controllers(
         n,
         policy,
@@ -84,6 +87,7 @@ def start_controllers(
         controller_ids=controller_ids,
         watermark_blocks=watermark_blocks,
         refresh_interval_s=refresh_interval_s,
+        refresh_in_background=refresh_in_background,
     )
     cls: Any = ray.remote(num_cpus=0, max_restarts=0)(ControllerActor).options(
         scheduling_strategy=_beside_the_driver()

@@ -335,6 +335,8 @@ def test_controller_settings_reach_the_controller() -> None:
         ({"controller_ids": ["a", "x" * 65]}, ValueError, "controller id must be"),
         ({"refresh_interval_s": -1}, ValueError, "refresh_interval_s must be .* >= 0, got -1"),
         ({"watermark_blocks": -1}, ValueError, "watermark_blocks must be >= 0, got -1"),
+        ({"refresh_interval_s": 0}, ValueError, "refresh_interval_s must be a finite number > 0"),
+        ({"refresh_in_background": "yes"}, TypeError, "refresh_in_background must be a bool"),
         ({"router": Router.ROUND_ROBIN}, AssertionError, "ray.remote called"),  # all good
     ],
 )
