@@ -1,5 +1,6 @@
 """The Ray runtime at the demo's shape (3 nodes x 4 GPUs, world 10):
 launch time; view() round trip beside a no-op call to a trivial actor (same run);
+decide() on the running system with its refresh in line or in a thread of its own;
 change-to-visible latency from a rank's change to a ClusterView that holds it."""
 
 from __future__ import annotations
@@ -29,6 +30,43 @@ def round_trips(call, n: int) -> list[float]:  # type: ignore[no-untyped-def]
         call()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def decide_beside_refreshes(client, seconds: float = 4.0) -> None:  # type: ignore[no-untyped-def]
+    """decide() on the running system (capacity deltas and the block index from the
+    aggregator, precise_prefix, a refresh every 50 ms): the refresh made by the decision
+    that finds it due (the anchor, same run), against one in a thread of its own."""
+    from kvfold.admission import AdmissionController, AdmissionRequest
+    from kvfold.worker.hashing import block_keys
+
+    prompts = [tuple(block_keys(list(range(p * 1000, p * 1000 + 128)), 16)) for p in range(16)]
+    tails = {}
+    for background in (False, True):
+        ctl = AdmissionController(
+            client, router="precise_prefix", refresh_interval_s=0.05,
+            refresh_in_background=background,
+        )  # fmt: skip
+        lat: list[float] = []
+        start = time.monotonic()
+        while time.monotonic() - start < seconds:
+            i = len(lat)
+            req = AdmissionRequest(f"d{i}", 128 + 1, 16, prefix_keys=prompts[i % 16])
+            t0 = time.perf_counter()
+            ctl.decide(req)
+            lat.append(time.perf_counter() - t0)
+            ctl.release(req.request_id)
+        wall = time.monotonic() - start
+        ctl.close()
+        way = "refresh in a thread of its own" if background else "refresh in the decision"
+        info(f"decide() on the running system, {way}: decisions/s", len(lat) / wall, "/s")
+        lat = lat[len(lat) // 10 :]  # after the first views are in
+        info("  median", statistics.median(lat) * 1e6, "us")
+        info("  p99", percentile(lat, 0.99) * 1e6, "us")
+        tails[background] = percentile(lat, 0.999)
+        info("  p99.9", tails[background] * 1e6, "us")
+        info("  slowest", max(lat) * 1e6, "us")
+    report("decide() p99.9, refresh in a thread of its own", tails[True] * 1e3, "ms", 1.0)
+    info("  ratio to the refresh in the decision (same run)", tails[True] / tails[False], "x")
 
 
 def main() -> None:
@@ -68,6 +106,8 @@ def main() -> None:
             "ms",
             1.5 * m_noop * 1e3,
         )
+
+        decide_beside_refreshes(client)
 
         for label, eager in (
             ("default interval, no push", False),
