@@ -63,17 +63,26 @@ def decide_within(ctl: AdmissionController, req: AdmissionRequest) -> Decision:
     return got[0]
 
 
-def test_a_decision_never_waits_on_a_refresh_in_flight() -> None:
+def held_controller(
+    view_timeout_s: float,
+) -> tuple[HeldSource, AdmissionController, list[float]]:
+    """A controller refreshing in the background from a HeldSource, on a clock the test
+    moves (now[0])."""
     now = [0.0]
     source = HeldSource()
     ctl = AdmissionController(
         source,
         refresh_interval_s=0.01,
         refresh_in_background=True,
-        view_timeout_s=100.0,
+        view_timeout_s=view_timeout_s,
         clock=lambda: now[0],
         router="least_loaded",
     )
+    return source, ctl, now
+
+
+def test_a_decision_never_waits_on_a_refresh_in_flight() -> None:
+    source, ctl, now = held_controller(view_timeout_s=100.0)
     try:
         assert ctl.refreshing_in_background
         assert source.reached(2).wait(WAIT_S)  # the first view is in; the second is held
@@ -92,16 +101,7 @@ def test_a_decision_never_waits_on_a_refresh_in_flight() -> None:
 
 
 def test_a_view_not_renewed_in_time_makes_decisions_queue_until_one_is() -> None:
-    now = [0.0]
-    source = HeldSource()
-    ctl = AdmissionController(
-        source,
-        refresh_interval_s=0.01,
-        refresh_in_background=True,
-        view_timeout_s=1.0,
-        clock=lambda: now[0],
-        router="least_loaded",
-    )
+    source, ctl, now = held_controller(view_timeout_s=1.0)
     try:
         assert source.reached(2).wait(WAIT_S)
         assert decide_within(ctl, request(0)).outcome is Outcome.ADMIT

@@ -88,25 +88,31 @@ class PreciseRouting(RuleBasedStateMachine):
         drop=st.booleans(),
     )
     def gpu_changes(self, rank: int, g: int, keys: set[bytes], drop: bool) -> None:
-        g %= len(self.windows)
-        held = self.gpu.setdefault((rank, g), set())
-        if drop:
-            self.replica.index.remove((RANK, rank), g, sorted(keys & held))
-            held -= keys
-        else:
-            self.replica.index.store((RANK, rank), g, sorted(keys - held))
-            held |= keys
+        self._change(self.gpu, (RANK, rank), rank, g % len(self.windows), keys, drop)
 
     @rule(node=st.integers(0, 1), keys=st.sets(st.sampled_from(ALL_KEYS)), drop=st.booleans())
     def host_changes(self, node: int, keys: set[bytes], drop: bool) -> None:
         for g in self.windows:
-            held = self.host.setdefault((node, g), set())
-            if drop:
-                self.replica.index.remove((HOST, node), g, sorted(keys & held))
-                held -= keys
-            else:
-                self.replica.index.store((HOST, node), g, sorted(keys - held))
-                held |= keys
+            self._change(self.host, (HOST, node), node, g, keys, drop)
+
+    def _change(
+        self,
+        model: dict[tuple[int, int], set[bytes]],
+        source: tuple[str, int],
+        i: int,
+        g: int,
+        keys: set[bytes],
+        drop: bool,
+    ) -> None:
+        """`source` (rank or node i) stores or drops `keys` in group g: the index and
+        the model alike."""
+        held = model.setdefault((i, g), set())
+        if drop:
+            self.replica.index.remove(source, g, sorted(keys & held))
+            held -= keys
+        else:
+            self.replica.index.store(source, g, sorted(keys - held))
+            held |= keys
 
     # ------------------------------------------------------------------ views, time
 
