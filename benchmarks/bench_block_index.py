@@ -232,6 +232,9 @@ def decide(idx: BlockIndex, runs: int = 5, settle_every: int = 4, warm: int = 50
         after = f"  its own, the first call after a refresh (every {settle_every}), median"
         info(after, us(fastest[follows], 50), "us")
         info("  its own, the other calls, p99", us(fastest[~follows], 99), "us")
+        slowest = fastest >= np.percentile(fastest, 99)
+        share = 100 * np.count_nonzero(slowest & follows) / np.count_nonzero(slowest)
+        info("  its own slowest 1%: the share that came first after a refresh", share, "%")
 
 
 if __name__ == "__main__":

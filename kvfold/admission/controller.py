@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -122,8 +123,15 @@ class AdmissionController:
         self._refresher: threading.Thread | None = None
         if refresh_in_background:
             check_positive("refresh_interval_s", refresh_interval_s)
+            if view_timeout_s <= refresh_interval_s:
+                raise ValueError(
+                    f"view_timeout_s must be longer than refresh_interval_s "
+                    f"({refresh_interval_s!r}) when refreshing in the background, "
+                    f"got {view_timeout_s!r}: every view would be stale before the next"
+                )
             self._refresher = threading.Thread(
-                target=self._refresh_every_interval,
+                target=_refresh_every_interval,
+                args=(weakref.ref(self), self._stop, refresh_interval_s),
                 name=f"kvfold-refresh-{self.controller_id}",
                 daemon=True,
             )
@@ -131,13 +139,17 @@ class AdmissionController:
 
     @property
     def refreshing_in_background(self) -> bool:
+        """Whether a thread of this controller's own is refreshing its view now."""
         return self._refresher is not None and self._refresher.is_alive()
 
-    def close(self) -> None:
-        """Stop refreshing in the background (and wait for a refresh in flight)."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop refreshing in the background: wait up to `timeout_s` for a refresh in
+        flight (a source stuck on the network is left to finish on its own). From then
+        on the controller refreshes as one without the thread does, in its decisions."""
         self._stop.set()
         if self._refresher is not None:
-            self._refresher.join()
+            self._refresher.join(timeout_s)
+            self._refresher = None
 
     def __enter__(self) -> AdmissionController:
         return self
@@ -145,21 +157,15 @@ class AdmissionController:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _refresh_every_interval(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                self.refresh(force=True)
-            except Exception as e:  # a load that failed: said, and tried again next interval
-                self.view_error = f"{type(e).__name__}: {e}"[:300]
-            self._stop.wait(max(0.0, self.refresh_interval_s - (time.monotonic() - started)))
-
     def refresh(self, force: bool = False) -> None:
         """Fetch a view now (or if the last one is older than refresh_interval_s)."""
         now = self.clock()
         if not force and now - self._last_refresh_s < self.refresh_interval_s:
             return
         with self._fetching:
+            now = self.clock()  # another caller may have refreshed while this one waited
+            if not force and now - self._last_refresh_s < self.refresh_interval_s:
+                return
             self._refresh(now)
 
     def _refresh(self, now: float) -> None:
@@ -180,7 +186,7 @@ class AdmissionController:
                 self.policy.load_capacity(got, self.clock())
             else:
                 self.policy.load_view(got, self.clock())
-            self._loaded_s = self.clock()
+            self._loaded_s = now  # its age counts from when the fetch began
         if self._index_source is not None:
             self._update_index(got.rank_to_node)
 
@@ -208,8 +214,11 @@ class AdmissionController:
             self.policy.blocks = replica
 
     def load_view(self, view: ClusterView) -> None:
+        """Take `view` now, as a refresh would (the source is not asked)."""
         with self.lock:
-            self.policy.load_view(view, self.clock())
+            now = self.clock()
+            self.policy.load_view(view, now)
+            self._loaded_s = now
 
     def decide(self, request: AdmissionRequest) -> Decision:
         background = self._refresher is not None
@@ -229,3 +238,18 @@ class AdmissionController:
     def release(self, request_id: str) -> bool:
         with self.lock:
             return self.policy.release(request_id)
+
+
+def _refresh_every_interval(
+    controller: weakref.ref[AdmissionController], stop: threading.Event, interval_s: float
+) -> None:
+    """The background refresher's loop. It holds its controller weakly: a controller
+    dropped without close() is collected, and its thread ends at its next interval."""
+    while not stop.is_set():
+        started = time.monotonic()
+        ctl = controller()
+        if ctl is None:
+            return
+        ctl.refresh(force=True)
+        del ctl
+        stop.wait(max(0.0, interval_s - (time.monotonic() - started)))

@@ -19,6 +19,9 @@ Outcomes, checked in this order (kvfold.admission.policy decides):
     ADMIT  fits | fits_prefix       on the rank the router picks among those that fit
                                     (kvfold.admission.routing; fits_prefix: it holds some
                                     of the prompt, as far as the router knows)
+    ADMIT  fits_overflow            larger than this controller's lease anywhere: a rank's
+                                    whole room, where it has nothing unseen (another
+                                    controller may collide there: the rank refuses)
     QUEUE  insufficient_free_blocks fits a rank's total, not its room now
 """
 

@@ -247,7 +247,7 @@ class AdmissionPolicy:
         self.chooser.sent_to(request, rank, now_s)
         return Decision(
             Outcome.ADMIT,
-            "fits_prefix" if prefix else "fits",
+            "fits_overflow" if overflow else "fits_prefix" if prefix else "fits",
             version,
             node=int(idx.rank_to_node[rank]),
             rank=rank,

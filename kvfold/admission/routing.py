@@ -95,17 +95,18 @@ def cheapest(
     reserved: IntArray,
 ) -> int:
     """The rank that fits with the lowest cost(r) (the module's docstring), written out as
-    (w + 1) P + load - (w + 1 - w (1 - c)) gpu - w (1 - c) total with load = `committed`
-    + `reserved` per rank; ties to the most room in the tightest window (`room`: per
-    window and rank, read only on a tie), then to the lower rank. The term (w + 1) P is
-    the same for every rank and left out: one float array, made from the load where a
-    rank fits (infinite elsewhere), with the match added class by class."""
+    (w + 1) P + load - (w + 1) gpu - w (1 - c) (total - gpu) with load = `committed` +
+    `reserved` per rank; ties to the most room in the tightest window (`room`: per window
+    and rank, read only on a tie), then to the lower rank. The term (w + 1) P is the
+    same for every rank and left out: one float array, made from the load where a rank
+    fits (infinite elsewhere), with the match added class by class. Costs within a
+    billionth of the lowest tie: the host term's weight is seldom exact in binary, and a
+    rounding must not decide what the room should."""
     w, c = weights.overlap_weight, weights.onboard_cost
-    host_w = w * (1.0 - c)
     cost = np.where(fits, committed + reserved, np.inf)
-    match.add_weighted(cost, host_w - w - 1.0, -host_w)
+    match.add_weighted(cost, -(w + 1.0), -w * (1.0 - c))
     best = int(cost.argmin())
-    tied = cost == cost[best]
+    tied = cost <= cost[best] + 1e-9 * (1.0 + abs(cost[best]))
     if np.count_nonzero(tied) == 1:
         return best
     ties = np.flatnonzero(tied)

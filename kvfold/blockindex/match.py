@@ -51,11 +51,12 @@ class Runs:
             total[ranks] = t
         return gpu, total
 
-    def add_weighted(self, out: FloatArray, gpu_weight: float, total_weight: float) -> None:
-        """out += gpu_weight x gpu + total_weight x total, per rank: one add per class."""
+    def add_weighted(self, out: FloatArray, gpu_weight: float, host_weight: float) -> None:
+        """out += gpu_weight x gpu + host_weight x (total - gpu), per rank: one add per
+        class (where the host tier adds nothing, gpu_weight x gpu exactly)."""
         n = self.world_size
         for g, t, mask in zip(self.gpu, self.total, self.masks, strict=True):
-            out[ranks_of(mask, n)] += gpu_weight * g + total_weight * t
+            out[ranks_of(mask, n)] += gpu_weight * g + host_weight * (t - g)
 
     @property
     def longest(self) -> int:
@@ -180,17 +181,17 @@ class Match:
         """Per rank, `gpu` and the blocks its node's host tier holds right after. Read-only."""
         return self._with_held(1)
 
-    def add_weighted(self, out: FloatArray, gpu_weight: float, total_weight: float) -> None:
-        """out += gpu_weight x gpu + total_weight x total, per rank, in place, touching
-        only the ranks that hold something (from runs: one add per class)."""
+    def add_weighted(self, out: FloatArray, gpu_weight: float, host_weight: float) -> None:
+        """out += gpu_weight x gpu + host_weight x (total - gpu), per rank, in place,
+        touching only the ranks that hold something (from runs: one add per class)."""
         if self._runs is not None:
-            self._runs.add_weighted(out, gpu_weight, total_weight)
+            self._runs.add_weighted(out, gpu_weight, host_weight)
         else:
             gpu, total = self._base_arrays()
-            out += gpu_weight * gpu + total_weight * total
+            out += gpu_weight * gpu + host_weight * (total - gpu)
         for rank, (g, t) in self._held.items():
             base_g, base_t = self._base_of(rank)
-            out[rank] += gpu_weight * (g - base_g) + total_weight * (t - base_t)
+            out[rank] += gpu_weight * (g - base_g) + host_weight * ((t - g) - (base_t - base_g))
 
     @property
     def longest(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -132,10 +133,17 @@ class AdmissionModel(RuleBasedStateMachine):
         # three families of prompts that share their first blocks
         tokens = [prefix * 1000 + i for i in range(min(prompt, 12))]
         tokens += [self.next_id * 100 + i for i in range(prompt - len(tokens))]
+        policy = self.ctls[c].policy
+        lease = policy.room().copy()  # what this controller may promise, per window and rank
         d = self.ctls[c].decide(AdmissionRequest(rid, prompt, max_new))
         if d.outcome is Outcome.ADMIT:
             self.pending[c].append((rid, tokens, max_new, d))
             self.admitted += 1
+            # beyond its lease on every fresh rank (only where controllers share ranks)
+            assert policy.index is not None
+            need = np.array([d.blocks[w] for w in policy.index.windows])[:, None]
+            within = bool(((lease >= need).all(0) & policy.index.fresh).any())
+            assert (d.reason == "fits_overflow") == (not within), (d, lease[:, d.rank])
 
     @rule(c=st.integers(0, 3))
     def deliver(self, c: int) -> None:

@@ -204,6 +204,25 @@ def test_precise_router_never_picks_a_rank_without_room() -> None:
     assert d.outcome is Outcome.QUEUE  # nowhere left, however much rank 0 holds
 
 
+def test_a_tie_that_rounding_would_split_goes_to_the_most_room() -> None:
+    """With the default weights (w 4, onboard 0.06: a host block weighs 3.76, not exact in
+    binary) rank 0 (load 0, nothing on its GPU, 3 blocks its host tier can onboard) and
+    rank 1 (load 5, 1 block on its GPU, 3 more on its host tier) cost the same:
+    0 - 5 x 0 - 3.76 x 3 = 5 - 5 x 1 - 3.76 x 3. In floats the second comes out an ulp
+    lower; the tie must still go to the most room, rank 0's."""
+    view = make_view(Topology.from_mapping([0, 1]), used={1: 5}, total=128)
+    policy = AdmissionPolicy(router=Router.PRECISE_PREFIX)
+    policy.load_view(view, 0.0)
+    keys = block_keys(np.arange(5 * 4 + 1), 4)
+    replica = Replica([0, 1])
+    replica.index.apply((RANK, 1), (BlockStored(tuple(keys[:1]), None, 4),))
+    replica.index.apply((HOST, 0), (BlockStored(tuple(keys[:3]), None, 4, medium="CPU"),))
+    replica.index.apply((HOST, 1), (BlockStored(tuple(keys[1:4]), None, 4, medium="CPU"),))
+    policy.blocks = replica
+    d = policy.decide(AdmissionRequest("a", 5 * 4 + 1, 1, tuple(keys[:5])), 0.0)
+    assert (d.outcome, d.rank, d.prefix_blocks) == (Outcome.ADMIT, 0, 3)
+
+
 def test_other_routers_choose_among_ranks_that_fit() -> None:
     for router in Router:
         policy, keys = _policy_with_index(router, used={0: 100})
