@@ -120,6 +120,7 @@ class AdmissionController:
         check_positive("view_timeout_s", view_timeout_s)
         self.view_timeout_s = view_timeout_s
         self._stop = threading.Event()
+        self._first_view = threading.Event()  # set once any view is taken in
         self._refresher: threading.Thread | None = None
         if refresh_in_background:
             check_positive("refresh_interval_s", refresh_interval_s)
@@ -141,6 +142,13 @@ class AdmissionController:
     def refreshing_in_background(self) -> bool:
         """Whether a thread of this controller's own is refreshing its view now."""
         return self._refresher is not None and self._refresher.is_alive()
+
+    def wait_for_view(self, timeout_s: float) -> bool:
+        """Whether a view is taken in within `timeout_s` (without the background thread,
+        this refreshes now if none is). Decisions before the first view QUEUE."""
+        if not self._first_view.is_set() and self._refresher is None:
+            self.refresh(force=True)
+        return self._first_view.wait(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop refreshing in the background: wait up to `timeout_s` for a refresh in
@@ -187,6 +195,7 @@ class AdmissionController:
             else:
                 self.policy.load_view(got, self.clock())
             self._loaded_s = now  # its age counts from when the fetch began
+            self._first_view.set()
         if self._index_source is not None:
             self._update_index(got.rank_to_node)
 
@@ -219,6 +228,7 @@ class AdmissionController:
             now = self.clock()
             self.policy.load_view(view, now)
             self._loaded_s = now
+            self._first_view.set()
 
     def decide(self, request: AdmissionRequest) -> Decision:
         background = self._refresher is not None

@@ -19,6 +19,8 @@ from kvfold.aggregator.client import KVFoldClient
 from kvfold.workload.requests import TraceRequest
 from kvfold.workload.scheduler import ReplayScheduler, SchedulerSettings, StepOutcome
 
+FIRST_VIEW_TIMEOUT_S = 30.0  # past it the actor is up anyway: its decisions say why they queue
+
 
 class ControllerActor:
     """An AdmissionController built from its settings (checked by the caller, before
@@ -27,6 +29,8 @@ class ControllerActor:
     def __init__(self, namespace: str, settings: ControllerSettings) -> None:
         self.client = KVFoldClient(namespace=namespace)
         self.controller = settings.build(self.client)
+        # up with a view when start_controllers returns (else its first decisions queue)
+        self.controller.wait_for_view(FIRST_VIEW_TIMEOUT_S)
 
     def controller_id(self) -> str:
         return self.controller.controller_id

@@ -237,3 +237,24 @@ def test_a_controller_dropped_without_close_ends_its_thread() -> None:
     gc.collect()
     thread.join(WAIT_S)
     assert not thread.is_alive()
+
+
+def test_wait_for_view_says_when_decisions_can_admit() -> None:
+    """Before its first view a controller's decisions queue; wait_for_view says when one
+    is in: the thread's first, or (without the thread) a refresh made there and then."""
+    source = HeldSource(hold_from=2)
+    with AdmissionController(
+        source, refresh_interval_s=0.01, refresh_in_background=True, router="least_loaded"
+    ) as ctl:
+        assert ctl.wait_for_view(WAIT_S)
+        assert ctl.decide(request(0)).outcome is Outcome.ADMIT
+        source.gate.set()
+    inline = AdmissionController(HeldSource(hold_from=10**9), router="least_loaded")
+    assert inline.wait_for_view(0.0)  # it refreshed in the call itself
+
+    def unreachable() -> ClusterView:
+        raise ConnectionError("aggregator unreachable")
+
+    broken = AdmissionController(unreachable, router="least_loaded")
+    assert not broken.wait_for_view(0.0)
+    assert broken.view_error is not None and "unreachable" in broken.view_error
