@@ -13,8 +13,10 @@ Against the real ClusterAggregator actor, three ways of sending, measured in the
              shard (kvfold.aggregator.client.IndexClient)
 
 Load driver actors generate and send; a reader actor runs an AdmissionController with
-precise routing that refreshes every 50 ms and decides continuously. Printed per N and
-way:
+precise routing that refreshes every 50 ms and decides continuously: for the first half of
+the run with the refresh in its deciding thread (what the columns below measure), for the
+second with it in a thread of the controller's own (decisions a second, decide()'s
+p99.9). Printed per N and way:
 - the aggregator's CPU (fraction of a core), and the busiest rack's (racked);
 - push answers (p50/p99 ms; racked: the rack's, events ingested), pushes late or refused;
 - view age at the reader: now minus the send of the newest report folded into a whole
@@ -146,7 +148,6 @@ class Reader:
         from kvfold.workload.fleet_load import SHARED_TAG, probe_sent_s, report_sent_s
 
         reader = ViewReader()
-        capacity = CapacityReader()
         nbytes: list[int] = []
         refresh_s: list[float] = []
         view_age_s: list[float] = []
@@ -170,9 +171,12 @@ class Reader:
                     return got, total
 
         class Source:  # what the controller decides on: the view's capacity, as deltas
+            def __init__(self) -> None:
+                self.reader = CapacityReader()  # one per controller id
+
             def capacity(self, controller_id: str) -> Any:
                 t0, c0 = time.perf_counter(), time.thread_time()
-                got, n = ask("capacity_since", capacity, controller_id)
+                got, n = ask("capacity_since", self.reader, controller_id)
                 view_s.append(time.perf_counter() - t0)
                 view_cpu_s.append(time.thread_time() - c0)
                 view_bytes.append(n)
@@ -198,52 +202,77 @@ class Reader:
                                 lag_s.append(seen - sent)
             return now, ops, whole
 
-        ctl = AdmissionController(
-            Source(), index_source=index_since, router="precise_prefix", refresh_interval_s=1e9
-        )
         import cProfile
         import io
         import pstats
 
         prof = cProfile.Profile()
-        decisions = 0
-        start = time.monotonic()
-        next_refresh = start
+        decisions = {False: 0, True: 0}  # per phase: refresh in the decider's thread, or not
+        decide_s: dict[bool, list[float]] = {False: [], True: []}
+        phase_s = {}
         i = 0
-        while time.monotonic() - start < seconds:
-            now = time.monotonic()
-            if now >= next_refresh:
-                next_refresh = now + 0.05
-                if len(refresh_s) % 4 == 0:  # the whole view, for its age: a display's read
-                    t0 = time.perf_counter()
-                    view, n = ask("view_since", reader)
-                    full_s.append(time.perf_counter() - t0)
-                    full_bytes.append(n)
-                    stamps = [n.ranks[0].num_refused for n in view.nodes if n.ranks[0].incarnation]
-                    if stamps:  # from the send of the newest report in it (fleet_load); the
-                        # capacity decided on next is as new or newer
-                        view_age_s.append(time.time() - report_sent_s(max(stamps), self.epoch))
+        # the first half refreshes in line (every 50 ms, timed, and counted in the decision
+        # after it, as a decide() that refreshes itself waits); the second in a thread of
+        # the controller's own, under the same load: decisions a second and decide()'s tail
+        for background in (False, True):
+            ctl = AdmissionController(
+                Source(), index_source=index_since, router="precise_prefix",
+                refresh_interval_s=0.05 if background else 1e9, refresh_in_background=background,
+            )  # fmt: skip
+            if background:
+                ctl.wait_for_view(30.0)
+            start = time.monotonic()
+            next_refresh = start
+            stalled = 0.0  # an in-line refresh: the next decision waited for it
+            while time.monotonic() - start < seconds / 2:
+                now = time.monotonic()
+                if now >= next_refresh:
+                    next_refresh = now + 0.05
+                    if len(refresh_s) % 4 == 0:  # the whole view, for its age: a display's read
+                        t0 = time.perf_counter()
+                        view, n = ask("view_since", reader)
+                        full_s.append(time.perf_counter() - t0)
+                        full_bytes.append(n)
+                        stamps = [
+                            n.ranks[0].num_refused for n in view.nodes if n.ranks[0].incarnation
+                        ]
+                        if stamps and not background:  # from the send of the newest report in it
+                            # (fleet_load); the capacity decided on next is as new or newer
+                            view_age_s.append(time.time() - report_sent_s(max(stamps), self.epoch))
+                    if not background:
+                        t0 = time.perf_counter()
+                        if PROFILE:
+                            prof.enable()
+                        ctl.refresh(force=True)
+                        if PROFILE:
+                            prof.disable()
+                        refresh_s.append(time.perf_counter() - t0)
+                        stalled = refresh_s[-1]
+                        nbytes.append(view_bytes[-1] + index_bytes[-1] if index_bytes else 0)
+                    else:
+                        refresh_s.append(float("nan"))  # keeps the display's read every fourth
+                i += 1
+                p = i % 64
+                keys = tuple(SHARED_TAG | (p << 16) | b for b in range(8))
+                req = AdmissionRequest(f"r{i}", 8 * 16 + 5, 64, prefix_keys=keys)  # type: ignore[arg-type]
                 t0 = time.perf_counter()
-                if PROFILE:
-                    prof.enable()
-                ctl.refresh(force=True)
-                if PROFILE:
-                    prof.disable()
-                refresh_s.append(time.perf_counter() - t0)
-                nbytes.append(view_bytes[-1] + index_bytes[-1] if index_bytes else 0)
-            i += 1
-            p = i % 64
-            keys = tuple(SHARED_TAG | (p << 16) | b for b in range(8))
-            req = AdmissionRequest(f"r{i}", 8 * 16 + 5, 64, prefix_keys=keys)  # type: ignore[arg-type]
-            ctl.decide(req)
-            ctl.release(req.request_id)
-            decisions += 1
+                ctl.decide(req)
+                decide_s[background].append(time.perf_counter() - t0 + stalled)
+                stalled = 0.0
+                ctl.release(req.request_id)
+                decisions[background] += 1
+            phase_s[background] = time.monotonic() - start
+            ctl.close()
+        refresh_s = [t for t in refresh_s if t == t]  # the in-line refreshes' times
         out = io.StringIO()
         if PROFILE:
             pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats(25)
         return {
             "profile": out.getvalue()[:8000] if PROFILE else "",
-            "decisions_per_s": decisions / (time.monotonic() - start),
+            "decisions_per_s": decisions[False] / phase_s[False],
+            "decisions_per_s_bg": decisions[True] / phase_s[True],
+            "decide_p999_ms": 1e3 * percentile(decide_s[False], 0.999),
+            "decide_p999_ms_bg": 1e3 * percentile(decide_s[True], 0.999),
             "refresh_s": refresh_s, "bytes": nbytes, "view_s": view_s,
             "view_bytes": view_bytes, "index_bytes": index_bytes, "view_age_s": view_age_s,
             "full_s": full_s, "full_bytes": full_bytes, "view_cpu_s": view_cpu_s,
@@ -355,6 +384,9 @@ def run_one(
         "full_kib": statistics.median(r["full_bytes"] or [nan]) / 1024,
         "index_kib": statistics.median(r["index_bytes"]) / 1024,
         "decisions_per_s": r["decisions_per_s"],
+        "decisions_per_s_bg": r["decisions_per_s_bg"],
+        "decide_p999_ms": r["decide_p999_ms"],
+        "decide_p999_ms_bg": r["decide_p999_ms_bg"],
         "errors": [e for e in (r["index_error"], r["view_error"]) if e],
         "profile": r["profile"],
     }
@@ -370,13 +402,14 @@ COLUMNS = (
     ("refresh_p50_ms", "{:>8.2f}"), ("view_p50_ms", "{:>8.2f}"), ("view_cpu_p50_ms", "{:>8.2f}"),
     ("view_kib", "{:>8.1f}"),
     ("index_kib", "{:>8.1f}"), ("full_p50_ms", "{:>8.2f}"), ("full_kib", "{:>8.1f}"),
-    ("decisions_per_s", "{:>8.0f}"),
+    ("decisions_per_s", "{:>8.0f}"), ("decisions_per_s_bg", "{:>8.0f}"),
+    ("decide_p999_ms", "{:>8.2f}"), ("decide_p999_ms_bg", "{:>8.2f}"),
 )  # fmt: skip
 HEADS = (
     "nodes", "way", "aggCPU", "rackCPU", "calls/s", "offer/s", "apply/s", "ans p50", "ans p99",
     "late", "refus", "oos",
     "age p50", "age p99", "lag p50", "lag p99", "refr p50", "cap p50", "cap CPU", "cap KiB",
-    "idx KiB", "full p50", "full KiB", "dec/s",
+    "idx KiB", "full p50", "full KiB", "dec/s", "dec/s bg", "dec p999", "p999 bg",
 )  # fmt: skip
 
 
@@ -421,6 +454,18 @@ def main() -> None:
         report(f"N={n}: its bytes p50, {way}", row["view_kib"], "KiB", 64)
         info(f"N={n}: a whole view's refresh p50 (display), {way}", row["full_p50_ms"], "ms")
         info(f"N={n}: reader refresh p50 with the index, {way}", row["refresh_p50_ms"], "ms")
+        info(f"N={n}: decisions a second, refresh in line, {way}", row["decisions_per_s"], "/s")
+        info(
+            f"  refresh in a thread of its own: ratio to in line, {way}",
+            row["decisions_per_s_bg"] / row["decisions_per_s"],
+            "x",
+        )
+        info(f"N={n}: decide() p99.9, refresh in line, {way}", row["decide_p999_ms"], "ms")
+        info(
+            f"  refresh in a thread of its own: ratio to in line, {way}",
+            row["decide_p999_ms_bg"] / row["decide_p999_ms"],
+            "x",
+        )
 
 
 if __name__ == "__main__":
