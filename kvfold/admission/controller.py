@@ -195,9 +195,9 @@ class AdmissionController:
             else:
                 self.policy.load_view(got, self.clock())
             self._loaded_s = now  # its age counts from when the fetch began
-            self._first_view.set()
         if self._index_source is not None:
             self._update_index(got.rank_to_node)
+        self._first_view.set()  # with the index brought up to date (or its error said)
 
     def _update_index(self, rank_to_node: tuple[int, ...]) -> None:
         replica = self.policy.blocks
