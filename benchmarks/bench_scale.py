@@ -16,7 +16,8 @@ Load driver actors generate and send; a reader actor runs an AdmissionController
 precise routing that refreshes every 50 ms and decides continuously: for the first half of
 the run with the refresh in its deciding thread (what the columns below measure), for the
 second with it in a thread of the controller's own (decisions a second, decide()'s
-p99.9). Printed per N and way:
+p99.9, and what the thread costs: its index lag p99 and capacity refresh time). Printed
+per N and way:
 - the aggregator's CPU (fraction of a core), and the busiest rack's (racked);
 - push answers (p50/p99 ms; racked: the rack's, events ingested), pushes late or refused;
 - view age at the reader: now minus the send of the newest report folded into a whole
@@ -153,6 +154,9 @@ class Reader:
         view_age_s: list[float] = []
         lag_s: list[float] = []
         view_s: list[float] = []
+        in_background = [False]  # which phase the samples below belong to
+        lag_bg_s: list[float] = []  # the index lag while the refresh is in its own thread
+        view_bg_s: list[float] = []  # and the capacity refresh's time
         view_bytes: list[int] = []
         view_cpu_s: list[float] = []  # this thread's CPU in it: the wall less the waits
         full_s: list[float] = []
@@ -177,7 +181,7 @@ class Reader:
             def capacity(self, controller_id: str) -> Any:
                 t0, c0 = time.perf_counter(), time.thread_time()
                 got, n = ask("capacity_since", self.reader, controller_id)
-                view_s.append(time.perf_counter() - t0)
+                (view_bg_s if in_background[0] else view_s).append(time.perf_counter() - t0)
                 view_cpu_s.append(time.thread_time() - c0)
                 view_bytes.append(n)
                 return got
@@ -199,7 +203,7 @@ class Reader:
                         if isinstance(e, BlockStored) and len(e.block_hashes) == 1:
                             sent = probe_sent_s(e.block_hashes[0])
                             if sent is not None:
-                                lag_s.append(seen - sent)
+                                (lag_bg_s if in_background[0] else lag_s).append(seen - sent)
             return now, ops, whole
 
         import cProfile
@@ -220,6 +224,7 @@ class Reader:
                 refresh_interval_s=0.05 if background else 1e9, refresh_in_background=background,
             )  # fmt: skip
             if background:
+                in_background[0] = True
                 ctl.wait_for_view(30.0)
             start = time.monotonic()
             next_refresh = start
@@ -276,7 +281,7 @@ class Reader:
             "refresh_s": refresh_s, "bytes": nbytes, "view_s": view_s,
             "view_bytes": view_bytes, "index_bytes": index_bytes, "view_age_s": view_age_s,
             "full_s": full_s, "full_bytes": full_bytes, "view_cpu_s": view_cpu_s,
-            "lag_s": lag_s,
+            "lag_s": lag_s, "lag_bg_s": lag_bg_s, "view_bg_s": view_bg_s,
             "index_error": ctl.index_error, "view_error": ctl.view_error,
         }  # fmt: skip
 
@@ -385,6 +390,8 @@ def run_one(
         "index_kib": statistics.median(r["index_bytes"]) / 1024,
         "decisions_per_s": r["decisions_per_s"],
         "decisions_per_s_bg": r["decisions_per_s_bg"],
+        "lag_p99_ms_bg": 1e3 * percentile(r["lag_bg_s"] or [nan], 0.99),
+        "view_p50_ms_bg": 1e3 * statistics.median(r["view_bg_s"] or [nan]),
         "decide_p999_ms": r["decide_p999_ms"],
         "decide_p999_ms_bg": r["decide_p999_ms_bg"],
         "errors": [e for e in (r["index_error"], r["view_error"]) if e],
@@ -404,12 +411,14 @@ COLUMNS = (
     ("index_kib", "{:>8.1f}"), ("full_p50_ms", "{:>8.2f}"), ("full_kib", "{:>8.1f}"),
     ("decisions_per_s", "{:>8.0f}"), ("decisions_per_s_bg", "{:>8.0f}"),
     ("decide_p999_ms", "{:>8.2f}"), ("decide_p999_ms_bg", "{:>8.2f}"),
+    ("lag_p99_ms_bg", "{:>8.0f}"), ("view_p50_ms_bg", "{:>8.2f}"),
 )  # fmt: skip
 HEADS = (
     "nodes", "way", "aggCPU", "rackCPU", "calls/s", "offer/s", "apply/s", "ans p50", "ans p99",
     "late", "refus", "oos",
     "age p50", "age p99", "lag p50", "lag p99", "refr p50", "cap p50", "cap CPU", "cap KiB",
     "idx KiB", "full p50", "full KiB", "dec/s", "dec/s bg", "dec p999", "p999 bg",
+    "lag99 bg", "cap bg",
 )  # fmt: skip
 
 
