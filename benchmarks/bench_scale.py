@@ -181,7 +181,10 @@ class Reader:
             def capacity(self, controller_id: str) -> Any:
                 t0, c0 = time.perf_counter(), time.thread_time()
                 got, n = ask("capacity_since", self.reader, controller_id)
-                (view_bg_s if in_background[0] else view_s).append(time.perf_counter() - t0)
+                if in_background[0]:  # the columns are the in-line phase's
+                    view_bg_s.append(time.perf_counter() - t0)
+                    return got
+                view_s.append(time.perf_counter() - t0)
                 view_cpu_s.append(time.thread_time() - c0)
                 view_bytes.append(n)
                 return got
@@ -193,7 +196,8 @@ class Reader:
 
         def index_since(cursor: Any) -> Any:
             now, ops, whole = keepers.since(cursor)
-            index_bytes.append(keepers.last_answer_bytes)
+            if not in_background[0]:  # the columns are the in-line phase's
+                index_bytes.append(keepers.last_answer_bytes)
             if not whole:
                 seen = time.time()
                 for op in ops:
@@ -214,7 +218,7 @@ class Reader:
         decisions = {False: 0, True: 0}  # per phase: refresh in the decider's thread, or not
         decide_s: dict[bool, list[float]] = {False: [], True: []}
         phase_s = {}
-        i = 0
+        i = ticks = 0  # decisions; refresh intervals (a display's read every fourth)
         # the first half refreshes in line (every 50 ms, timed, and counted in the decision
         # after it, as a decide() that refreshes itself waits); the second in a thread of
         # the controller's own, under the same load: decisions a second and decide()'s tail
@@ -233,7 +237,8 @@ class Reader:
                 now = time.monotonic()
                 if now >= next_refresh:
                     next_refresh = now + 0.05
-                    if len(refresh_s) % 4 == 0:  # the whole view, for its age: a display's read
+                    ticks += 1
+                    if ticks % 4 == 1:  # the whole view, for its age: a display's read
                         t0 = time.perf_counter()
                         view, n = ask("view_since", reader)
                         full_s.append(time.perf_counter() - t0)
@@ -254,8 +259,6 @@ class Reader:
                         refresh_s.append(time.perf_counter() - t0)
                         stalled = refresh_s[-1]
                         nbytes.append(view_bytes[-1] + index_bytes[-1] if index_bytes else 0)
-                    else:
-                        refresh_s.append(float("nan"))  # keeps the display's read every fourth
                 i += 1
                 p = i % 64
                 keys = tuple(SHARED_TAG | (p << 16) | b for b in range(8))
@@ -268,7 +271,6 @@ class Reader:
                 decisions[background] += 1
             phase_s[background] = time.monotonic() - start
             ctl.close()
-        refresh_s = [t for t in refresh_s if t == t]  # the in-line refreshes' times
         out = io.StringIO()
         if PROFILE:
             pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats(25)

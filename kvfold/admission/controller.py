@@ -16,8 +16,7 @@ A source with `.capacity(controller_id)` (KVFoldClient) is read for the view's c
 alone, as deltas of a few numbers per rank (kvfold.aggregator.capacity_delta); any other
 for whole ClusterViews. A view source that fails in any way, or answers with something
 that is not a ClusterView (or CapacityIndex), makes decisions QUEUE with reason
-`no_fresh_view`. Decisions are counted
-by outcome and reason.
+`no_fresh_view`. Decisions are counted by outcome and reason.
 
 Routing (kvfold.admission.routing): `precise_prefix` by default where the source also
 serves the cluster block index (`block_index_since`, as KVFoldClient does): the

@@ -75,19 +75,14 @@ class SentPrefixes:
         if got is None:
             return 0
         sending, keys = got
-        sent = self._sent
-        gone = _still_sent(sent, keys, sending)
-        for k in gone:
-            del sent[k]
-        return len(gone)
+        return _forget(self._sent, keys, sending)
 
     def _expire(self, cutoff: float, at_least: int = 0) -> None:
         sends, sent, by_request = self._sends, self._sent, self._by_request
         while sends and (at_least > 0 or sends[0][0] < cutoff):
             _, sending, keys, request_id = sends.popleft()
             at_least -= 1
-            for k in _still_sent(sent, keys, sending):
-                del sent[k]
+            _forget(sent, keys, sending)
             newest = by_request.get(request_id)
             if newest is not None and newest[0] is sending:
                 del by_request[request_id]
@@ -123,10 +118,14 @@ class SentPrefixes:
             )
 
 
-def _still_sent(sent: dict[bytes, Sending], keys: Sequence[bytes], sending: Sending) -> list[bytes]:
-    """The keys whose newest sending is still `sending` (not sent again since), each
-    once: C-level passes; a hot prefix, sent again decision after decision, leaves few."""
-    return list(dict.fromkeys(compress(keys, map(is_, map(sent.get, keys), repeat(sending)))))
+def _forget(sent: dict[bytes, Sending], keys: Sequence[bytes], sending: Sending) -> int:
+    """Drop the keys whose newest sending is still `sending` (not sent again since), and
+    say how many. Found in C-level passes; a hot prefix, sent again decision after
+    decision, leaves few to drop."""
+    gone = dict.fromkeys(compress(keys, map(is_, map(sent.get, keys), repeat(sending))))
+    for k in gone:
+        del sent[k]
+    return len(gone)
 
 
 def _leading_run(sent: list[Sending], rank: int) -> int:
