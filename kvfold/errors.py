@@ -40,5 +40,10 @@ class RankUnavailable(KVFoldError):
         super().__init__(f"rank {rank} is unavailable" + (f": {detail}" if detail else ""))
 
 
+class DoorRefused(KVFoldError, RuntimeError):
+    """The front door did not admit the request; the message says why (NotAdmitted's
+    reason). Raised by kvfold's Serve RequestRouter in the handle caller's process."""
+
+
 class PlacementError(KVFoldError):
     """Ray could not place what launch asked for within the timeout."""

@@ -16,6 +16,10 @@ token-id `prompt` (a text prompt or chat needs `model_dir` for the tokenizer). T
 Serve's HTTP proxy the body is not readable at routing time (Ray Serve 2.60): route through
 a deployment handle. A request the door refuses (queue full, its deadline passed, larger
 than any engine) fails the handle call with DoorRefused, which says why.
+
+Serve copies this module, by value, into every process that routes (RequestRouterConfig
+registers it with cloudpickle), so a class defined here would be a different class there:
+DoorRefused lives in kvfold.errors, and `except DoorRefused` catches it in any caller.
 """
 
 import logging
@@ -25,16 +29,12 @@ from typing import Any
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from kvfold.errors import KVFoldError
+from kvfold.errors import DoorRefused  # defined apart: Serve pickles this module by value
 from kvfold.serving.door_actor import get_door
 from kvfold.serving.door_answers import Admitted, NotAdmitted
 from kvfold.serving.openai_body import BadRequest, OpenAIRequest, parse_chat, parse_completion
 
 log = logging.getLogger("kvfold")
-
-
-class DoorRefused(KVFoldError, RuntimeError):
-    """The door did not admit the request; the message says why (NotAdmitted's reason)."""
 
 
 class KVFoldRequestRouter(RequestRouter):
