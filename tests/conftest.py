@@ -1,9 +1,16 @@
-"""Ray settings that make local multi-node tests fast and stable; set before any `import ray`."""
+"""Ray settings that make local multi-node tests fast and stable; set before any `import ray`.
+And a guard: no thread outlives the session."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+THREAD_END_WAIT_S = 10.0
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -13,3 +20,17 @@ if not os.environ.get("RAY_AUTH_TOKEN"):
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN"] = os.urandom(24).hex()
 os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="kvr", dir="/tmp"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_thread_outlives_the_session() -> Iterator[None]:
+    """After the last test, nothing but the main thread runs in this process. A thread
+    left running into the interpreter's exit races its teardown (Ray's exit handler, C
+    extensions' statics) and can crash the process after every test has passed; this names
+    it instead. Each gets a little time to finish what it was told to stop doing."""
+    yield
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    for t in others:
+        t.join(THREAD_END_WAIT_S)
+    alive = [f"{t.name} (target {getattr(t, '_target', None)!r})" for t in others if t.is_alive()]
+    assert not alive, f"threads still running after the last test: {alive}"

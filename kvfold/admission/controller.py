@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 from kvfold.admission.capacity import CapacityIndex
 from kvfold.admission.decision import AdmissionRequest, Decision, Outcome, Policy
 from kvfold.admission.policy import AdmissionPolicy
+from kvfold.admission.refresher import start_refresher
 from kvfold.admission.routing import Router, RoutingWeights, as_router
 from kvfold.blockindex.feed import NO_CURSOR, Cursor, Replica
 from kvfold.checks import check_positive
@@ -129,13 +129,9 @@ class AdmissionController:
                     f"({refresh_interval_s!r}) when refreshing in the background, "
                     f"got {view_timeout_s!r}: every view would be stale before the next"
                 )
-            self._refresher = threading.Thread(
-                target=_refresh_every_interval,
-                args=(weakref.ref(self), self._stop, refresh_interval_s),
-                name=f"kvfold-refresh-{self.controller_id}",
-                daemon=True,
+            self._refresher = start_refresher(
+                self, self._stop, refresh_interval_s, f"kvfold-refresh-{self.controller_id}"
             )
-            self._refresher.start()
 
     @property
     def refreshing_in_background(self) -> bool:
@@ -247,18 +243,3 @@ class AdmissionController:
     def release(self, request_id: str) -> bool:
         with self.lock:
             return self.policy.release(request_id)
-
-
-def _refresh_every_interval(
-    controller: weakref.ref[AdmissionController], stop: threading.Event, interval_s: float
-) -> None:
-    """The background refresher's loop. It holds its controller weakly: a controller
-    dropped without close() is collected, and its thread ends at its next interval."""
-    while not stop.is_set():
-        started = time.monotonic()
-        ctl = controller()
-        if ctl is None:
-            return
-        ctl.refresh(force=True)
-        del ctl
-        stop.wait(max(0.0, interval_s - (time.monotonic() - started)))

@@ -5,8 +5,12 @@ decisions queue. Every wait here is on a condition (an Event), never on a sleep.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,3 +262,32 @@ def test_wait_for_view_says_when_decisions_can_admit() -> None:
     broken = AdmissionController(unreachable, router="least_loaded")
     assert not broken.wait_for_view(0.0)
     assert broken.view_error is not None and "unreachable" in broken.view_error
+
+
+def test_a_refresher_left_running_is_stopped_before_earlier_exit_handlers() -> None:
+    """A driver that exits without close(): kvfold stops the refresher before the exit
+    handlers registered earlier run (Ray's, which shuts the driver's connection down, is
+    registered when Ray is imported), so no refresh is on its way through Ray then."""
+    script = textwrap.dedent(
+        """
+        import atexit, threading
+
+        def earlier() -> None:
+            alive = [t.name for t in threading.enumerate() if t.name.startswith("kvfold-")]
+            print("refreshers at the earlier handler:", alive, flush=True)
+
+        atexit.register(earlier)
+        from kvfold.admission import AdmissionController
+        from tests.unit.test_background_refresh import HeldSource
+
+        ctl = AdmissionController(HeldSource(hold_from=10**9), refresh_interval_s=0.01,
+                                  refresh_in_background=True, router="least_loaded")
+        assert ctl.wait_for_view(30) and ctl.refreshing_in_background
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refreshers at the earlier handler: []" in done.stdout, done.stdout
