@@ -1,5 +1,5 @@
 """Ray settings that make local multi-node tests fast and stable; set before any `import ray`.
-And a guard: no thread outlives the session."""
+And a guard: no thread outlives its test module."""
 
 from __future__ import annotations
 
@@ -22,15 +22,17 @@ if not os.environ.get("RAY_AUTH_TOKEN"):
 os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="kvr", dir="/tmp"))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_thread_outlives_the_session() -> Iterator[None]:
-    """After the last test, nothing but the main thread runs in this process. A thread
-    left running into the interpreter's exit races its teardown (Ray's exit handler, C
-    extensions' statics) and can crash the process after every test has passed; this names
-    it instead. Each gets a little time to finish what it was told to stop doing."""
+@pytest.fixture(scope="module", autouse=True)
+def no_thread_outlives_its_module() -> Iterator[None]:
+    """After each test module (each ends its own Ray cluster), nothing but the main thread
+    runs in this process. A thread that uses Ray across a ray.shutdown() may reach into the
+    core worker that shutdown freed (ray-project/ray#31145), and one left running into the
+    interpreter's exit races its teardown: either can crash the process after every test
+    has passed. This names the thread instead. Each gets a little time to finish what it
+    was told to stop doing."""
     yield
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
     for t in others:
         t.join(THREAD_END_WAIT_S)
     alive = [f"{t.name} (target {getattr(t, '_target', None)!r})" for t in others if t.is_alive()]
-    assert not alive, f"threads still running after the last test: {alive}"
+    assert not alive, f"threads still running after the module's tests: {alive}"
