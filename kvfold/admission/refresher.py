@@ -5,21 +5,26 @@
                                    `stop` is set or the controller is collected
 
 A refresher still running when the interpreter exits (its controller never closed) is
-stopped first, before the exit handlers registered earlier run: Ray's own shuts the
-driver's connection down, and a fetch on its way through Ray meanwhile could crash the
-process instead of ending it. Each start moves kvfold's handler to the front of the line
-(atexit runs the newest first), so it precedes Ray's however the modules were imported.
+stopped, and waited for up to EXIT_WAIT_S, before any exit handler runs: Ray's shut the
+driver's connection and its cluster's processes down, and a read on its way through Ray
+meanwhile could crash the process instead of ending it. The hook is the one
+concurrent.futures uses (threading's, called before the interpreter joins its threads and
+runs atexit's handlers); where it is missing, atexit's, moved to the front at each start.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import weakref
 from typing import Protocol
 
-EXIT_JOIN_S = 2.0  # how long the interpreter's exit waits for each refresh in flight
+# longer than a read of KVFoldClient's (5 s a call), so that one in flight can end
+EXIT_WAIT_S = 6.0
+
+log = logging.getLogger("kvfold")
 
 
 class Refreshable(Protocol):
@@ -28,38 +33,53 @@ class Refreshable(Protocol):
 
 _running: dict[threading.Thread, threading.Event] = {}
 _running_lock = threading.Lock()
+_hooked = False  # threading's exit hook is registered (it cannot be taken back)
 
 
 def start_refresher(
     controller: Refreshable, stop: threading.Event, interval_s: float, name: str
 ) -> threading.Thread:
+    """Start `controller`'s refresher: a daemon thread holding it weakly, stopped by
+    `stop`, and at the interpreter's exit."""
     thread = threading.Thread(
         target=_refresh_every_interval,
         args=(weakref.ref(controller), stop, interval_s),
         name=name,
         daemon=True,
     )
-    with _running_lock:
-        _running[thread] = stop
-    atexit.unregister(stop_refreshers)
-    atexit.register(stop_refreshers)
     thread.start()
+    with _running_lock:
+        if thread.is_alive():  # one already ended has nothing to stop
+            _running[thread] = stop
+        _hook_exit()
     return thread
 
 
-def stop_refreshers(timeout_s: float = EXIT_JOIN_S) -> list[str]:
-    """Stop every refresher of this process; the names of those still in a refresh after
-    `timeout_s` each (a source stuck on the network), left to end on their own."""
+def _hook_exit() -> None:
+    """Called with _running_lock held."""
+    global _hooked
+    register = getattr(threading, "_register_atexit", None)  # CPython's, since 3.9
+    if register is None:
+        atexit.unregister(_stop_at_exit)
+        atexit.register(_stop_at_exit)
+    elif not _hooked:
+        register(_stop_at_exit)
+        _hooked = True
+
+
+def _stop_at_exit() -> None:
+    """Stop every refresher of this process; wait EXIT_WAIT_S at most for them all, and
+    say which were still in a refresh then (a source stuck on the network)."""
     with _running_lock:
         running = list(_running.items())
     for _, stop in running:
         stop.set()
-    stuck = []
+    deadline = time.monotonic() + EXIT_WAIT_S
     for thread, _ in running:
-        thread.join(timeout_s)
-        if thread.is_alive():
-            stuck.append(thread.name)
-    return stuck
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [thread.name for thread, _ in running if thread.is_alive()]
+    if stuck:
+        log.warning("kvfold: refreshers still reading at exit, left to end on their own: %s", stuck)
 
 
 def _refresh_every_interval(
@@ -81,4 +101,4 @@ def _refresh_every_interval(
             _running.pop(threading.current_thread(), None)
 
 
-__all__ = ["start_refresher", "stop_refreshers"]
+__all__ = ["EXIT_WAIT_S", "start_refresher"]

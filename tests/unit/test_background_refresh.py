@@ -264,25 +264,27 @@ def test_wait_for_view_says_when_decisions_can_admit() -> None:
     assert broken.view_error is not None and "unreachable" in broken.view_error
 
 
-def test_a_refresher_left_running_is_stopped_before_earlier_exit_handlers() -> None:
+def test_a_refresher_left_running_is_stopped_before_any_exit_handler() -> None:
     """A driver that exits without close(): kvfold stops the refresher before the exit
-    handlers registered earlier run (Ray's, which shuts the driver's connection down, is
-    registered when Ray is imported), so no refresh is on its way through Ray then."""
+    handlers run, those registered before it started (as Ray's own shutdown is, at
+    import) and those registered after (as a cluster started later registers its nodes'),
+    so no read is on its way through Ray while they take it down."""
     script = textwrap.dedent(
         """
         import atexit, threading
 
-        def earlier() -> None:
+        def check(when: str) -> None:
             alive = [t.name for t in threading.enumerate() if t.name.startswith("kvfold-")]
-            print("refreshers at the earlier handler:", alive, flush=True)
+            print(f"refreshers at a handler registered {when}:", alive, flush=True)
 
-        atexit.register(earlier)
+        atexit.register(check, "before")
         from kvfold.admission import AdmissionController
         from tests.unit.test_background_refresh import HeldSource
 
         ctl = AdmissionController(HeldSource(hold_from=10**9), refresh_interval_s=0.01,
                                   refresh_in_background=True, router="least_loaded")
         assert ctl.wait_for_view(30) and ctl.refreshing_in_background
+        atexit.register(check, "after")
         """
     )
     root = Path(__file__).resolve().parents[2]
@@ -290,4 +292,5 @@ def test_a_refresher_left_running_is_stopped_before_earlier_exit_handlers() -> N
         [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert "refreshers at the earlier handler: []" in done.stdout, done.stdout
+    for when in ("before", "after"):
+        assert f"refreshers at a handler registered {when}: []" in done.stdout, done.stdout
