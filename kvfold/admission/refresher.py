@@ -9,7 +9,7 @@ stopped, and waited for up to EXIT_WAIT_S, before any exit handler runs: Ray's s
 driver's connection and its cluster's processes down, and a read on its way through Ray
 meanwhile could crash the process instead of ending it. The hook is the one
 concurrent.futures uses (threading's, called before the interpreter joins its threads and
-runs atexit's handlers); where it is missing, atexit's, moved to the front at each start.
+runs atexit's handlers, whenever those were registered), set when this module is imported.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ class Refreshable(Protocol):
 
 _running: dict[threading.Thread, threading.Event] = {}
 _running_lock = threading.Lock()
-_hooked = False  # threading's exit hook is registered (it cannot be taken back)
 
 
 def start_refresher(
@@ -51,20 +50,7 @@ def start_refresher(
     with _running_lock:
         if thread.is_alive():  # one already ended has nothing to stop
             _running[thread] = stop
-        _hook_exit()
     return thread
-
-
-def _hook_exit() -> None:
-    """Called with _running_lock held."""
-    global _hooked
-    register = getattr(threading, "_register_atexit", None)  # CPython's, since 3.9
-    if register is None:
-        atexit.unregister(_stop_at_exit)
-        atexit.register(_stop_at_exit)
-    elif not _hooked:
-        register(_stop_at_exit)
-        _hooked = True
 
 
 def _stop_at_exit() -> None:
@@ -100,5 +86,9 @@ def _refresh_every_interval(
         with _running_lock:
             _running.pop(threading.current_thread(), None)
 
+
+# CPython's since 3.9 (not in the type stubs); atexit's, run in the reverse order of
+# registration, only where it is missing
+getattr(threading, "_register_atexit", atexit.register)(_stop_at_exit)
 
 __all__ = ["EXIT_WAIT_S", "start_refresher"]
