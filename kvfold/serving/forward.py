@@ -5,7 +5,9 @@ the HTTP client Ray Serve itself uses (aiohttp). No Ray, no kvfold state.
     post_json           one answer, whole
     open_stream         the engine's status and headers once it starts answering, then
       .chunks()         its bytes as they come (Server-Sent Events pass through untouched)
-    coalesced           a stream's first bytes at once, then what came in each interval, joined
+    coalesced           a stream's bytes at once up to its first token, then what came in
+                        each interval, joined
+    FirstToken          whether an OpenAI stream's events have carried a token yet
     relayed             what a client gets of a stream: coalesced, an engine failure as a
                         last error event, and a callback when it ends, fails or is dropped
     error_body          OpenAI's error shape
@@ -28,6 +30,7 @@ from kvfold.errors import KVFoldError
 # fails fast, so an unstreamed request can go elsewhere.
 CONNECT_TIMEOUT_S = 5.0
 _PASSED_HEADERS = ("content-type", "cache-control")
+_SSE_NOT_DATA = (b":", b"event:", b"id:", b"retry:")  # a comment, or a field other than data
 
 
 class EngineFailed(KVFoldError, ConnectionError):
@@ -99,8 +102,9 @@ async def open_stream(
 
 
 async def coalesced(chunks: AsyncIterator[bytes], interval_s: float) -> AsyncIterator[bytes]:
-    """`chunks` as a client gets them: the first at once (with whatever came in the same
-    moment: time to first token is untouched), then everything that came in each
+    """`chunks` as a client gets them: each at once until one carries a token (time to
+    first token is untouched, though an engine's first event may carry none: a chat's role,
+    a token whose text the detokenizer holds back), then everything that came in each
     `interval_s`, joined, and the last as soon as the engine ends. One pass through Ray
     Serve's proxy per interval instead of one per token: Ray Serve LLM batches its streams
     the same way (every 50 ms by default). `interval_s` 0: each chunk as it comes. An
@@ -124,21 +128,67 @@ async def coalesced(chunks: AsyncIterator[bytes], interval_s: float) -> AsyncIte
 
     reader = asyncio.get_running_loop().create_task(read())
     reader.add_done_callback(_retrieved)
+    first = FirstToken()
     try:
-        await arrived.wait()
-        await asyncio.sleep(0)  # what the same read brought (a chat's role and first token)
         while True:
+            if not first.seen:
+                await arrived.wait()  # before the first token: each chunk as it comes
+            arrived.clear()  # before taking: what comes while the client reads sets it again
             if came:
                 out = b"".join(came)
                 came.clear()
+                first.feed(out)
                 yield out
             if ended.is_set() and not came:
                 break
-            with contextlib.suppress(asyncio.TimeoutError):  # the interval passed
-                await asyncio.wait_for(ended.wait(), interval_s)
+            if first.seen:
+                with contextlib.suppress(asyncio.TimeoutError):  # the interval passed
+                    await asyncio.wait_for(ended.wait(), interval_s)
         reader.result()  # the engine's failure, after what it sent
     finally:
         reader.cancel()  # the client went away: stop reading the engine
+
+
+class FirstToken:
+    """Whether an OpenAI stream's Server-Sent Events have carried a token yet: a choice's
+    `text`, or its `delta`'s `content`, `reasoning_content` or `tool_calls`, not empty; or
+    anything that is not such an event (an error, `[DONE]`, bytes of another shape): from
+    there on a stream may be coalesced. Fed the stream's bytes in order, however they are
+    cut; reads nothing once it has seen one."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._line = b""  # the last line, not yet ended
+
+    def feed(self, data: bytes) -> None:
+        if self.seen:
+            return
+        *lines, self._line = (self._line + data).split(b"\n")
+        self.seen = any(_carries_token(line.strip()) for line in lines)
+
+
+def _carries_token(line: bytes) -> bool:
+    if not line or line.startswith(_SSE_NOT_DATA):
+        return False
+    if not line.startswith(b"data:"):
+        return True  # not an event stream: nothing to wait for
+    try:
+        event = json.loads(line[5:])
+    except ValueError:
+        return True  # [DONE], or not JSON
+    choices = event.get("choices") if isinstance(event, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return True  # an error, or a usage summary: nothing more to wait for
+    for choice in choices:
+        if not isinstance(choice, dict):
+            return True
+        delta = choice.get("delta")
+        said = delta if isinstance(delta, dict) else choice
+        if choice.get("text") or any(
+            said.get(k) for k in ("content", "reasoning_content", "tool_calls")
+        ):
+            return True
+    return False
 
 
 def _retrieved(task: asyncio.Task[None]) -> None:
@@ -189,6 +239,7 @@ def _headers(r: aiohttp.ClientResponse) -> dict[str, str]:
 __all__ = [
     "EngineFailed",
     "EngineStream",
+    "FirstToken",
     "coalesced",
     "error_body",
     "new_session",

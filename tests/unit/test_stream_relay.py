@@ -1,10 +1,12 @@
-"""A stream passed on by the front door (kvfold.serving.forward.coalesced and relayed): the
-first bytes at once, later ones joined per interval, every byte once and in order, an
-engine's failure after what it sent, and the end told once however the stream ends."""
+"""A stream passed on by the front door (kvfold.serving.forward.coalesced and relayed): each
+chunk at once up to the first that carries a token, later ones joined per interval, every
+byte once and in order, an engine's failure after what it sent, and the end told once
+however the stream ends."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfold.serving.forward import EngineFailed, EngineStream, coalesced, relayed
+from kvfold.serving.forward import EngineFailed, EngineStream, FirstToken, coalesced, relayed
 
 LONG_S = 60.0  # an interval no test waits out: what comes before it came without it
 
@@ -29,18 +31,105 @@ async def gated(chunks: list[bytes], gate: asyncio.Event, after: int) -> AsyncIt
         yield c
 
 
-def test_the_first_chunk_comes_before_the_interval_and_the_rest_together() -> None:
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+def text(t: str) -> bytes:  # a /v1/completions event
+    return sse({"choices": [{"index": 0, "text": t, "finish_reason": None}]})
+
+
+def delta(**d: Any) -> bytes:  # a /v1/chat/completions event
+    return sse({"choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+
+
+def test_the_first_token_comes_before_the_interval_and_the_rest_together() -> None:
     async def go() -> list[bytes]:
         gate = asyncio.Event()
-        out = coalesced(gated([b"a", b"b", b"c", b"d"], gate, after=1), LONG_S)
+        chunks = [text("a"), text("b"), text("c"), text("d")]
+        out = coalesced(gated(chunks, gate, after=1), LONG_S)
         first = await asyncio.wait_for(out.__anext__(), 10)  # long before LONG_S
-        assert first == b"a"
+        assert first == text("a")
         gate.set()
         return [first] + [c async for c in out]
 
     got = run(go())
     # b, c, d came within one interval: one piece, passed on as soon as the engine ended
-    assert got == [b"a", b"bcd"]
+    assert got == [text("a"), text("b") + text("c") + text("d")]
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        [text("")],  # a token whose text the detokenizer holds back
+        [delta(role="assistant", content="")],  # a chat's first event
+        [b": keep-alive\n\n", delta(role="assistant")],
+        [text("")[:7], text("")[7:]],  # an event cut in two
+    ],
+)
+def test_events_without_a_token_go_at_once_up_to_the_first_token(before: list[bytes]) -> None:
+    chat = b"delta" in before[-1]
+    token = delta(content="hi") if chat else text("hi")
+    later = delta(content="!") if chat else text("!")
+
+    async def go() -> list[bytes]:
+        gates = [asyncio.Event() for _ in before]  # the client has event i
+        has_token = asyncio.Event()
+
+        async def src() -> AsyncIterator[bytes]:
+            for c, gate in zip(before, gates, strict=True):
+                yield c
+                await gate.wait()  # the next comes only once the client has this one
+            yield token
+            await has_token.wait()
+            yield later
+
+        out = coalesced(src(), LONG_S)
+        got = []
+        for gate in [*gates, has_token]:
+            got.append(await asyncio.wait_for(out.__anext__(), 10))  # not after LONG_S
+            gate.set()
+        return got + [c async for c in out]
+
+    got = run(go())
+    assert got == [*before, token, later]
+
+
+EVENTS = {
+    "token": text("x"),
+    "chat token": delta(content="x"),
+    "tool call": delta(tool_calls=[{"index": 0}]),
+    "empty text": text(""),
+    "role": delta(role="assistant"),
+    "comment": b": ping\n\n",
+    "error": sse({"error": {"message": "engine rank 1 failed"}}),
+    "done": b"data: [DONE]\n\n",
+}
+CARRIES = {"token", "chat token", "tool call", "error", "done"}  # from there on: coalesce
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    names=st.lists(st.sampled_from(sorted(EVENTS)), min_size=1, max_size=8),
+    cuts=st.lists(st.integers(0, 400), max_size=10),
+)
+def test_first_token_is_seen_once_its_line_has_come_however_the_bytes_are_cut(
+    names: list[str], cuts: list[int]
+) -> None:
+    stream = b"".join(EVENTS[n] for n in names)
+    # the oracle: where the first event that carries a token ends its data line
+    ends, at = [], 0
+    for n in names:
+        ends.append((at + EVENTS[n].index(b"\n") + 1, n in CARRIES))
+        at += len(EVENTS[n])
+    seen_from = min((end for end, carries in ends if carries), default=None)
+    first = FirstToken()
+    points = sorted({min(c, len(stream)) for c in cuts} | {len(stream)})
+    fed = 0
+    for p in points:
+        first.feed(stream[fed:p])
+        fed = p
+        assert first.seen == (seen_from is not None and p >= seen_from), (names, p)
 
 
 def test_interval_zero_passes_every_chunk_as_it_comes() -> None:
