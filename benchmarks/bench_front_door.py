@@ -14,7 +14,10 @@ order each round), target <= 1 ms; beside it, a 95% bootstrap interval of that m
 its interquartile range, the difference of the two medians, the door's own admit call as
 the front door saw it (`x-kvfold-waited-ms`) and the ratio of the two medians.
 
-    python benchmarks/bench_front_door.py [--rounds 1000] [--engines 2] [--json F]
+With `--stream` each request is streamed (8 new tokens) and its time is the client's time
+to first token: the first event carrying text, as `kvfold bench-serve` counts it.
+
+    python benchmarks/bench_front_door.py [--rounds 1000] [--engines 2] [--stream] [--json F]
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ p.add_argument(
 )
 p.add_argument("--engine-python", default=str(REPO / ".venv-engine" / "bin" / "python"))
 p.add_argument("--model-dir", default=str(REPO / "tests" / "fixtures" / "tiny-llama"))
+p.add_argument("--stream", action="store_true", help="time to first token of a stream")
 p.add_argument("--json", help="write every round's times (ms) here")
 args = p.parse_args()
 apply_local_defaults(None)
@@ -71,12 +75,22 @@ def bootstrap_median_interval(xs: list[float], resamples: int = 2000) -> tuple[f
 
 
 def timed_post(url: str, body: dict[str, object]) -> tuple[float, dict[str, str]]:
+    """The request's time: to its whole answer, or to a stream's first text."""
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=60) as r:
-        r.read()
-        return time.perf_counter() - t0, {k.lower(): v for k, v in r.headers.items()}
+        headers = {k.lower(): v for k, v in r.headers.items()}
+        if not body.get("stream"):
+            r.read()
+            return time.perf_counter() - t0, headers
+        first = None
+        for line in r:  # Server-Sent Events, a line at a time
+            if first is None and line.startswith(b"data: {") and b'"text":""' not in line:
+                first = time.perf_counter() - t0
+        if first is None:
+            raise SystemExit(f"{url}: a stream with no text")
+        return first, headers
 
 
 cluster = start_local_cluster(num_nodes=1, gpus_per_node=args.engines)
@@ -105,7 +119,9 @@ try:
         "serve_default": f"http://127.0.0.1:{port}/engines/v1/completions",
         "front_door": door.url + "/v1/completions",
     }
-    body = {"model": "tiny-llama", "prompt": list(range(3, 67)), "max_tokens": 1}
+    body: dict[str, object] = {"model": "tiny-llama", "prompt": list(range(3, 67)), "max_tokens": 1}
+    if args.stream:
+        body.update(max_tokens=8, stream=True, ignore_eos=True)
     for url in ways.values():  # warm every path: connections, imports, first compiles
         for _ in range(5):
             try:
@@ -123,8 +139,9 @@ try:
             if way == "front_door":
                 waited.append(float(headers["x-kvfold-waited-ms"]))
     med = {w: statistics.median(t) * 1e3 for w, t in times.items()}
+    what = "time to first token" if args.stream else "request"
     for w in ways:
-        info(f"{w}: request p50 ({args.rounds} rounds)", med[w], "ms")
+        info(f"{w}: {what} p50 ({args.rounds} rounds)", med[w], "ms")
     info(
         "front_door: the door's admit, as the replica saw it, p50", statistics.median(waited), "ms"
     )
