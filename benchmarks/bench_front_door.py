@@ -62,6 +62,7 @@ from kvfold.cluster import launch, start_local_cluster
 from kvfold.cluster.engine_replica import engine_deployment
 from kvfold.cluster.front_door import serve_front_door, start_serve
 from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port
+from kvfold.serving.bench_serve import first_text
 from kvfold.serving.engine_fleet import EngineFleet
 from kvfold.serving.settings import FrontDoorSettings
 
@@ -86,7 +87,7 @@ def timed_post(url: str, body: dict[str, object]) -> tuple[float, dict[str, str]
             return time.perf_counter() - t0, headers
         first = None
         for line in r:  # Server-Sent Events, a line at a time
-            if first is None and line.startswith(b"data: {") and b'"text":""' not in line:
+            if first is None and first_text(line):
                 first = time.perf_counter() - t0
         if first is None:
             raise SystemExit(f"{url}: a stream with no text")

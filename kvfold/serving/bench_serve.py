@@ -16,6 +16,7 @@ in kvfold's queue (its `x-kvfold-waited-ms` header). Every arm starts from empty
 caches (POST /reset_prefix_cache) and idle engines.
 
     run_arm(...)  -> its row, and what the client saw of each request
+    first_text(line)   whether a streamed line is what the client's time to first token counts
     write_outputs(rows, meta, out_dir, per_request)   .json, .csv, .png; every request
 """
 
@@ -106,6 +107,12 @@ def reset_caches(urls: Sequence[str], timeout_s: float = 60.0) -> None:
         urllib.request.urlopen(req, timeout=30).read()
 
 
+def first_text(line: bytes) -> bool:
+    """Whether a streamed line is one a client's time to first token counts: an event of a
+    completion that carries text (vLLM's first may carry none)."""
+    return line.startswith(b"data: {") and b'"text":""' not in line
+
+
 async def replay_http(
     requests: Sequence[ServeRequest],
     target: Callable[[int], str],
@@ -147,8 +154,7 @@ async def replay_http(
                         o.error = (await resp.read())[:200].decode(errors="replace")
                         return
                     async for line in resp.content:
-                        first = o.ttft_s is None and line.startswith(b"data: {")
-                        if first and b'"text":""' not in line:
+                        if o.ttft_s is None and first_text(line):
                             o.ttft_s = time.monotonic() - sent
                         if b'"error"' in line:
                             o.error = line[:200].decode(errors="replace")
@@ -327,6 +333,7 @@ __all__ = [
     "REQUEST_COLUMNS",
     "Outcome",
     "engine_counters",
+    "first_text",
     "format_table",
     "replay_http",
     "request_rows",

@@ -31,6 +31,7 @@ from kvfold.errors import KVFoldError
 CONNECT_TIMEOUT_S = 5.0
 _PASSED_HEADERS = ("content-type", "cache-control")
 _SSE_NOT_DATA = (b":", b"event:", b"id:", b"retry:")  # a comment, or a field other than data
+_TOKEN_FIELDS = ("content", "reasoning_content", "tool_calls")  # of a chat's delta
 
 
 class EngineFailed(KVFoldError, ConnectionError):
@@ -182,10 +183,9 @@ def _carries_token(line: bytes) -> bool:
     for choice in choices:
         if not isinstance(choice, dict):
             return True
-        delta = choice.get("delta")
-        said = delta if isinstance(delta, dict) else choice
-        if choice.get("text") or any(
-            said.get(k) for k in ("content", "reasoning_content", "tool_calls")
+        delta = choice.get("delta")  # a chat's; a completion's choice has text
+        if choice.get("text") or (
+            isinstance(delta, dict) and any(delta.get(k) for k in _TOKEN_FIELDS)
         ):
             return True
     return False

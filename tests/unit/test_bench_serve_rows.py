@@ -10,6 +10,7 @@ from kvfold.serving.bench_serve import (
     REQUEST_COLUMNS,
     EngineCounters,
     Outcome,
+    first_text,
     request_rows,
     sent_straight_to,
     summarize,
@@ -77,3 +78,10 @@ def test_a_request_sent_to_an_engines_own_url_is_that_engines() -> None:
     through = [Outcome(200)]
     sent_straight_to(through, lambda i: "http://proxy/engines", urls)  # not an engine's URL
     assert through[0].engine is None
+
+
+def test_time_to_first_token_counts_the_first_event_with_text() -> None:
+    assert first_text(b'data: {"choices":[{"index":0,"text":"a"}]}\n')
+    assert not first_text(b'data: {"choices":[{"index":0,"text":""}]}\n')  # text held back
+    assert not first_text(b"data: [DONE]\n")
+    assert not first_text(b"\n")
