@@ -18,6 +18,12 @@ for whole ClusterViews. A view source that fails in any way, or answers with som
 that is not a ClusterView (or CapacityIndex), makes decisions QUEUE with reason
 `no_fresh_view`. Decisions are counted by outcome and reason.
 
+Controllers sharing ranks (`num_controllers` > 1) exchange a note with the source's
+claim desk (`exchange_claims`, as KVFoldClient has; or `claim_source`) at every refresh,
+before the view: a request larger than every lease then waits for a claim on one rank
+instead of taking a room others may promise too (kvfold.admission.claims); `claims=False`
+keeps the older overflow. A failed exchange is a failed refresh.
+
 Routing (kvfold.admission.routing): `precise_prefix` by default where the source also
 serves the cluster block index (`block_index_since`, as KVFoldClient does): the
 controller keeps a replica of it, brought up to date at each refresh; a failing index
@@ -34,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvfold.admission.capacity import CapacityIndex
+from kvfold.admission.claims import Claim, ClaimNote
 from kvfold.admission.decision import AdmissionRequest, Decision, Outcome, Policy
 from kvfold.admission.policy import AdmissionPolicy
 from kvfold.admission.refresher import start_refresher
@@ -43,6 +50,7 @@ from kvfold.checks import check_positive
 from kvfold.view import ClusterView
 
 IndexSource = Callable[[Cursor], tuple[Cursor, list[Any], bool]]
+ClaimSource = Callable[[str, ClaimNote], tuple[Claim, ...]]
 
 
 class AdmissionController:
@@ -62,6 +70,8 @@ class AdmissionController:
         weights: RoutingWeights | None = None,
         refresh_in_background: bool = False,
         view_timeout_s: float | None = None,
+        claims: bool = True,
+        claim_source: ClaimSource | None = None,
     ) -> None:
         """`controller_id`: unique per controller and start (generated when None);
         `num_controllers`: how many controllers, this one included, admit into the same
@@ -71,7 +81,9 @@ class AdmissionController:
         a cursor (default: the view source's `block_index_since`, if it has one);
         `refresh_in_background`: refresh in a thread of its own (needs a
         refresh_interval_s > 0), and QUEUE once the view is older than `view_timeout_s`
-        (default: 10 intervals, at least 1 s)."""
+        (default: 10 intervals, at least 1 s); `claims`: exchange with a claim desk
+        when controllers share ranks (`claim_source(controller_id, note)`, default the
+        view source's `exchange_claims` where it has one)."""
         self._capacity: Callable[[str], CapacityIndex] | None = None
         if callable(view_source):
             self._fetch: Callable[[], ClusterView] = view_source
@@ -94,6 +106,11 @@ class AdmissionController:
             )
         self._index_source = index_source if chosen is Router.PRECISE_PREFIX else None
         self.index_error: str | None = None  # why the last index update failed
+        if claim_source is None and not callable(view_source):
+            claim_source = getattr(view_source, "exchange_claims", None)
+        if not claims or num_controllers == 1:
+            claim_source = None
+        self._claims = claim_source
         self.policy = AdmissionPolicy(
             policy,
             watermark_blocks,
@@ -103,6 +120,7 @@ class AdmissionController:
             num_controllers=num_controllers,
             router=chosen,
             weights=weights,
+            claims=claim_source is not None,
         )
         self.router = chosen
         self.controller_id = self.policy.controller_id
@@ -175,7 +193,14 @@ class AdmissionController:
         self._last_refresh_s = now
         got: ClusterView | CapacityIndex
         want = ClusterView if self._capacity is None else CapacityIndex
+        board: tuple[Claim, ...] | None = None
         try:
+            if self._claims is not None:  # the board first: the view then shows what ended
+                with self.lock:
+                    note = self.policy.claim_note(self._hold_s())
+                board = self._claims(self.controller_id, note)
+                if not isinstance(board, tuple) or not all(isinstance(c, Claim) for c in board):
+                    raise TypeError(f"the claim desk gave a {type(board).__name__}, not claims")
             got = self._fetch() if self._capacity is None else self._capacity(self.controller_id)
             if not isinstance(got, want):
                 gave = type(got).__name__
@@ -189,10 +214,17 @@ class AdmissionController:
                 self.policy.load_capacity(got, self.clock())
             else:
                 self.policy.load_view(got, self.clock())
+            if board is not None:
+                self.policy.load_claims(board)
             self._loaded_s = now  # its age counts from when the fetch began
         if self._index_source is not None:
             self._update_index(got.rank_to_node)
         self._first_view.set()  # with the index brought up to date (or its error said)
+
+    def _hold_s(self) -> float:
+        """The longest this controller decides on one view: in line, a decision
+        refreshes once the interval is past; in the background, view_timeout_s."""
+        return max(self.view_timeout_s, self.refresh_interval_s)
 
     def _update_index(self, rank_to_node: tuple[int, ...]) -> None:
         replica = self.policy.blocks

@@ -21,7 +21,13 @@ Outcomes, checked in this order (kvfold.admission.policy decides):
                                     of the prompt, as far as the router knows)
     ADMIT  fits_overflow            larger than this controller's lease anywhere: a rank's
                                     whole room, where it has nothing unseen (another
-                                    controller may collide there: the rank refuses)
+                                    controller may collide there: the rank refuses);
+                                    without a claim desk only
+    ADMIT  fits_claim               larger than this controller's lease anywhere: on the
+                                    rank its granted claim froze for it
+                                    (kvfold.admission.claims)
+    QUEUE  awaiting_claim           larger than its lease anywhere; its claim is asked
+                                    for, not granted yet, or in use
     QUEUE  insufficient_free_blocks fits a rank's total, not its room now
 """
 

@@ -12,7 +12,8 @@ capacity), less the watermark and what this controller promised it since:
 With `num_controllers` controllers admitting into the same ranks, each promises only
 from its lease, room // num_controllers; a request larger than any lease may take a
 whole rank's room where this controller has nothing unseen (the rank's own check
-refuses a collision).
+refuses a collision), or, with a claim desk (`claims=True`; kvfold.admission.claims),
+only what a claim granted it there once the others stopped promising on that rank.
 
 The blocks a request needs and the outcomes, in the order they are checked, are in
 kvfold.admission.decision; which rank among those that fit, in kvfold.admission.routing.
@@ -29,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfold.admission.capacity import CapacityIndex, ViewCapacity
+from kvfold.admission.claims import Claim, ClaimHolder, ClaimNote, as_blocks
 from kvfold.admission.decision import AdmissionRequest, Decision, Outcome
 from kvfold.admission.reservations import ReservationBook
 from kvfold.admission.routing import RankChooser, Router, RoutingWeights
@@ -66,6 +68,7 @@ class AdmissionPolicy:
         affinity_keys: int = 200_000,
         router: Router = Router.APPROX_PREFIX,
         weights: RoutingWeights | None = None,
+        claims: bool = False,
     ) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {policy!r}")
@@ -82,6 +85,8 @@ class AdmissionPolicy:
         self.no_fresh = no_fresh
         self.controller_id = check_controller_id(controller_id or new_controller_id())
         self.num_controllers = num_controllers
+        # beyond a lease: by claims at a desk when the controllers share one
+        self.claims = ClaimHolder(self.controller_id) if claims and num_controllers > 1 else None
         self.index: CapacityIndex | None = None
         self._views = ViewCapacity(self.controller_id)  # for load_view: rows of changed nodes
         self.book = ReservationBook()  # promises the ranks have not shown yet
@@ -146,9 +151,35 @@ class AdmissionPolicy:
 
     def _lease(self, idx: CapacityIndex) -> IntArray:
         """What this controller may promise per window and rank, before its own
-        reservations: the rank's room less the watermark, split among the controllers."""
+        reservations: the rank's room less the watermark, split among the controllers;
+        nothing on a rank another controller holds a claim on."""
         room = idx.room - self.watermark_blocks
-        return room if self.num_controllers == 1 else room // self.num_controllers
+        if self.num_controllers == 1:
+            return room
+        lease = room // self.num_controllers
+        frozen = self.claims.frozen_mask if self.claims is not None else None
+        if frozen is not None and frozen.any() and len(frozen) == idx.world_size:
+            lease[:, frozen] = 0
+        return lease
+
+    # ---------------------------------------------------------------- claims
+
+    def claim_note(self, hold_s: float) -> ClaimNote:
+        """What the next exchange with the claim desk says (needs `claims=True`)."""
+        assert self.claims is not None
+        version = self.index.version if self.index is not None else 0
+        return self.claims.note(hold_s, version, self.book)
+
+    def load_claims(self, board: tuple[Claim, ...]) -> None:
+        """Take the desk's board, after the view of the same refresh: freeze the ranks
+        others claim (acking what this controller promised them unseen), and see to
+        its own claim."""
+        assert self.claims is not None
+        idx = self.index
+        if idx is None:
+            return
+        self.claims.load(board, idx.windows, self.reserved, idx.version)
+        self._recount(idx)
 
     def expire(self, now_s: float) -> None:
         """Drop reservations not shown by their rank within `ttl_s` (the request never
@@ -222,6 +253,8 @@ class AdmissionPolicy:
         fits &= could
         any_fits = fits.any()
         overflow = False
+        if not any_fits and self.claims is not None:
+            return self._by_claim(request, idx, need_list, could, now_s)
         if not any_fits and self.num_controllers > 1:
             need_col = np.array(need_list)[:, None]
             room = self._whole_room_where_no_lease_fits(idx, need_col)
@@ -239,6 +272,20 @@ class AdmissionPolicy:
             self.reserved,
             overflow,
         )
+        reason = "fits_overflow" if overflow else "fits_prefix" if prefix else "fits"
+        return self._admit(request, idx, rank, need_list, need, now_s, reason, prefix)
+
+    def _admit(
+        self,
+        request: AdmissionRequest,
+        idx: CapacityIndex,
+        rank: int,
+        need_list: list[int],
+        need: dict[Window, int],
+        now_s: float,
+        reason: str,
+        prefix: int,
+    ) -> Decision:
         self.last_ticket += 1
         self.book.add(request.request_id, rank, self.last_ticket, need, now_s)
         for i, n in enumerate(need_list):
@@ -247,8 +294,8 @@ class AdmissionPolicy:
         self.chooser.sent_to(request, rank, now_s)
         return Decision(
             Outcome.ADMIT,
-            "fits_overflow" if overflow else "fits_prefix" if prefix else "fits",
-            version,
+            reason,
+            idx.version,
             node=int(idx.rank_to_node[rank]),
             rank=rank,
             blocks=need,
@@ -256,6 +303,45 @@ class AdmissionPolicy:
             policy=self.capacity_policy,
             prefix_blocks=prefix,
         )
+
+    def _by_claim(
+        self,
+        request: AdmissionRequest,
+        idx: CapacityIndex,
+        need_list: list[int],
+        could: npt.NDArray[np.bool_],
+        now_s: float,
+    ) -> Decision:
+        """A request larger than this controller's lease wherever it fits: promised
+        under its granted claim, or a claim asked for (kvfold.admission.claims)."""
+        h = self.claims
+        assert h is not None
+        need = dict(zip(idx.windows, need_list, strict=True))
+        need_col = np.array(need_list, dtype=np.int64)
+        whole = idx.room - self.watermark_blocks
+        if h.mine is not None:
+            granted = h.grant_room(idx.version, idx.windows, whole, self.reserved)
+            if granted is None:  # not granted yet, not usable from this view, or in use
+                return Decision(Outcome.QUEUE, "awaiting_claim", idx.version, blocks=need)
+            r, room_r = granted
+            if could[r] and bool((room_r >= need_col).all()):
+                h.used = request.request_id
+                return self._admit(request, idx, r, need_list, need, now_s, "fits_claim", 0)
+            h.done = h.mine.claim_id  # the rank filled meanwhile: end it, ask anew
+            h.mine = None
+        if h.ask is not None:
+            return Decision(Outcome.QUEUE, "awaiting_claim", idx.version, blocks=need)
+        room = whole - self.reserved
+        if len(h.frozen_mask) == idx.world_size:
+            room[:, h.frozen_mask] = -1
+        fits = could & np.all(room >= need_col[:, None], axis=0)
+        if not fits.any():
+            return Decision(Outcome.QUEUE, "insufficient_free_blocks", idx.version, blocks=need)
+        rank, _ = self.chooser.choose(
+            request, fits, room, now_s, idx.tokens_per_block, self._committed0, self.reserved
+        )
+        h.ask = (rank, as_blocks(idx.windows, need_list))
+        return Decision(Outcome.QUEUE, "awaiting_claim", idx.version, blocks=need)
 
     def _whole_room_where_no_lease_fits(self, idx: CapacityIndex, need_col: IntArray) -> IntArray:
         """For a request larger than a lease: a rank's whole room, on ranks where it is

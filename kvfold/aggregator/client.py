@@ -17,6 +17,7 @@ import ray
 from ray.exceptions import AuthenticationError, GetTimeoutError, RayActorError
 
 from kvfold.admission.capacity import CapacityIndex
+from kvfold.admission.claims import Claim, ClaimNote
 from kvfold.aggregator.capacity_delta import CapacityReader
 from kvfold.aggregator.view_delta import ViewReader
 from kvfold.blockindex.client import IndexClient, sum_index_counts
@@ -111,6 +112,13 @@ class KVFoldClient:
             index = reader.apply(self._call("capacity_since", asked, controller_id), asked)
             if index is not None:
                 return index
+
+    def exchange_claims(self, controller_id: str, note: ClaimNote) -> tuple[Claim, ...]:
+        """A controller's note to the aggregator's claim desk, and the board it answers
+        (kvfold.admission.claims): what AdmissionController exchanges at each refresh
+        when controllers share ranks."""
+        board: tuple[Claim, ...] = self._call("exchange_claims", controller_id, note)
+        return board
 
     def version(self) -> int:
         version: int = self._call("version")

@@ -19,6 +19,7 @@ import ray
 from ray.exceptions import RayError
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
+from kvfold.admission.claims import Claim, ClaimDesk, ClaimNote
 from kvfold.aggregator.capacity_delta import CapacitySender
 from kvfold.aggregator.cluster_state import ClusterState
 from kvfold.aggregator.index_calls_actor import IndexCalls
@@ -84,6 +85,7 @@ class ClusterAggregator(IndexCalls):
         self._bytes = b""
         self.sender = ViewSender()  # views as deltas, per reader (kvfold.aggregator.view_delta)
         self.capacity = CapacitySender()  # their capacity alone, for controllers
+        self.claims = ClaimDesk()  # controllers' claims beyond their leases
         self._probe = Every(5 * report_interval_s)
         self.carry_error: str | None = None  # why counters could not be handed on last
         self.ray_node_ids = list(ray_node_ids or [])  # where each kvfold node's actor lives
@@ -269,6 +271,13 @@ class ClusterAggregator(IndexCalls):
             self.capacity.update(self._refresh())
             epoch, version = position
             return self.capacity.since((bytes(epoch), int(version)), controller_id)
+
+    def exchange_claims(self, controller_id: str, note: ClaimNote) -> tuple[Claim, ...]:
+        """A controller's note to the claim desk, answered with the board
+        (kvfold.admission.claims). Bad input changes nothing."""
+        check_controller_id(controller_id)
+        with self.cond:
+            return self.claims.exchange(controller_id, note, time.monotonic())
 
     def view_and_index_since(
         self, position: tuple[bytes, int], cursor: tuple[int, int]

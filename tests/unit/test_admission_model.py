@@ -8,7 +8,9 @@ full-attention pool and a sliding window. The promises checked after every step:
 - every rank's committed blocks recount exactly and never exceed its total;
 - under GUARANTEED_NO_EVICT every placed request reaches its declared length;
 - with one controller under GUARANTEED_NO_EVICT the rank never refuses a placement;
-- under MAX_UTILIZATION a placed request always gets its first block of growth.
+- under MAX_UTILIZATION a placed request always gets its first block of growth;
+- with several controllers and a claim desk (kvfold.admission.claims), a request
+  promised under a granted claim is never refused, however stale the others' views.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfold.admission import AdmissionController, AdmissionRequest, Decision, Outcome, Policy
+from kvfold.admission.claims import Claim, ClaimDesk, ClaimNote
 from kvfold.aggregator.fold import RankRecord, fold_cluster, fold_node
 from kvfold.stats import RankReport
 from kvfold.topology import Topology
@@ -46,6 +49,7 @@ class Placed:
 class AdmissionModel(RuleBasedStateMachine):
     num_controllers = 1
     policy = Policy.GUARANTEED_NO_EVICT
+    claims = False  # the controllers exchange with a claim desk
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,6 +64,7 @@ class AdmissionModel(RuleBasedStateMachine):
         self.view: ClusterView | None = None
         for r in self.caches:
             self._report(r)
+        self.desk = ClaimDesk()
         self.ctls = [
             AdmissionController(
                 self.current_view,
@@ -67,6 +72,7 @@ class AdmissionModel(RuleBasedStateMachine):
                 refresh_interval_s=1e9,
                 num_controllers=self.num_controllers,
                 reservation_ttl_s=1e9,
+                claim_source=self.exchange if self.claims else None,
             )
             for _ in range(self.num_controllers)
         ]
@@ -78,6 +84,10 @@ class AdmissionModel(RuleBasedStateMachine):
         self.placed: dict[str, Placed] = {}
         self.next_id = 0
         self.admitted = 0
+        self.claimed = 0  # placements under a granted claim
+
+    def exchange(self, controller_id: str, note: ClaimNote) -> tuple[Claim, ...]:
+        return self.desk.exchange(controller_id, note, 0.0)  # no controller lapses
 
     def current_view(self) -> ClusterView:
         assert self.view is not None
@@ -143,7 +153,8 @@ class AdmissionModel(RuleBasedStateMachine):
             assert policy.index is not None
             need = np.array([d.blocks[w] for w in policy.index.windows])[:, None]
             within = bool(((lease >= need).all(0) & policy.index.fresh).any())
-            assert (d.reason == "fits_overflow") == (not within), (d, lease[:, d.rank])
+            beyond = "fits_claim" if self.claims else "fits_overflow"
+            assert (d.reason == beyond) == (not within), (d, lease[:, d.rank])
 
     @rule(c=st.integers(0, 3))
     def deliver(self, c: int) -> None:
@@ -157,6 +168,9 @@ class AdmissionModel(RuleBasedStateMachine):
         self.books[d.rank].take(d.ticket)
         if self.num_controllers == 1 and self.policy is Policy.GUARANTEED_NO_EVICT:
             assert ok, f"rank {d.rank} refused {rid}: one controller over-committed it"
+        if d.reason == "fits_claim":
+            self.claimed += 1
+            assert ok, f"rank {d.rank} refused {rid}, promised under a granted claim"
         if ok:
             end = len(tokens) + max_new
             self.placed[rid] = Placed(d.rank, len(tokens), end, len(tokens) + min(max_new, B))
@@ -200,6 +214,13 @@ class AdmissionModel(RuleBasedStateMachine):
     def refresh(self, c: int) -> None:
         self.ctls[c % len(self.ctls)].refresh(force=True)
 
+    @rule(first=st.integers(0, 3))
+    def refresh_all(self, first: int) -> None:
+        """Every controller refreshes, one after another (what moves a claim along)."""
+        n = len(self.ctls)
+        for i in range(n):
+            self.ctls[(first + i) % n].refresh(force=True)
+
     @rule(r=st.integers(0, TOPO.world_size - 1))
     def report_and_refresh_all(self, r: int) -> None:
         self._report(r)
@@ -212,6 +233,25 @@ class AdmissionModel(RuleBasedStateMachine):
     def caches_recount_and_never_over_commit(self) -> None:
         for cache in self.caches.values():
             cache.check_integrity()  # committed recounts, used <= committed <= total
+
+    @precondition(lambda self: self.claims)
+    @invariant()
+    def a_usable_grant_fits_beside_every_promise_still_on_its_way(self) -> None:
+        """Whatever order the others' promises arrive in, what a grant lets its owner
+        promise fits: the rank's room now less every promise not delivered yet."""
+        for ctl in self.ctls:
+            policy, idx = ctl.policy, ctl.policy.index
+            assert policy.claims is not None and idx is not None
+            whole = idx.room - policy.watermark_blocks
+            granted = policy.claims.grant_room(idx.version, idx.windows, whole, policy.reserved)
+            if granted is None:
+                continue
+            r, room = granted
+            windows = self.caches[r].stats().windows
+            for i, w in enumerate(idx.windows):
+                on_way = sum(d.blocks[w] for q in self.pending for _, _, _, d in q if d.rank == r)
+                free = windows[w].num_blocks_room - on_way
+                assert room[i] <= free, (r, w, room[i], free)
 
     @precondition(lambda self: self.num_controllers == 1)
     @invariant()
@@ -232,6 +272,11 @@ class ThreeControllersGuaranteed(AdmissionModel):
     num_controllers = 3
 
 
+class ThreeControllersWithClaims(AdmissionModel):
+    num_controllers = 3
+    claims = True
+
+
 SETTINGS = settings(max_examples=60, stateful_step_count=50, deadline=None)
 TestOneControllerGuaranteed = OneControllerGuaranteed.TestCase
 TestOneControllerGuaranteed.settings = settings(SETTINGS, max_examples=200)
@@ -239,3 +284,7 @@ TestOneControllerMaxUtilization = OneControllerMaxUtilization.TestCase
 TestOneControllerMaxUtilization.settings = SETTINGS
 TestThreeControllersGuaranteed = ThreeControllersGuaranteed.TestCase
 TestThreeControllersGuaranteed.settings = SETTINGS
+TestThreeControllersWithClaims = ThreeControllersWithClaims.TestCase
+TestThreeControllersWithClaims.settings = settings(
+    SETTINGS, max_examples=150, stateful_step_count=80
+)
