@@ -3,8 +3,9 @@
 Replays ../shared/traces/synthetic_trace.jsonl (the first --limit requests) on an
 embedded cluster (3 nodes x 4 simulated GPUs, world size 10, 4,096 blocks of 64 tokens
 per rank, as `kvfold replay` has them) with 1 scheduler, then
-with 4 holding leases, then with 4 optimistic ones (no leases: the rank's refusal is
-the only guard). Targets: over-commits 0; with 4 schedulers, rank refusals <= 1% of
+with 4 holding leases and claims beyond them, 4 with leases taking a whole room beyond
+them (`--no-claims`), then 4 optimistic ones (no leases: the rank's refusal is the only
+guard). Targets: over-commits 0; with 4 schedulers, rank refusals <= 1% of
 placements, and the work done per trace second within 10% of the single scheduler's
 (the baseline, measured in the same run).
 
@@ -29,9 +30,13 @@ from kvfold.cluster import launch, start_local_cluster  # before Ray: the cluste
 from kvfold.workload.scheduler import ReplayConfig
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+# (schedulers, leases, claims): the anchor first, then 4 with claims beyond their leases,
+# 4 taking a whole room beyond them (the rule before claims), 4 optimistic
+RUNS = ((1, True, True), (4, True, True), (4, True, False), (4, False, False))
 ROWS = (
     ("schedulers", "{:d}"),
     ("leases", "{}"),
+    ("claims", "{}"),
     ("admitted", "{:d}"),
     ("overcommits", "{:d}"),
     ("rank_refusals", "{:d}"),
@@ -72,25 +77,27 @@ def main() -> None:
         )
         kv = launch(10, 4, cache=cache, host_num_blocks=1024)
         try:
-            for n, leases in ((1, True), (4, True), (4, False)):
+            for n, leases, claims in RUNS:
                 cfg = ReplayConfig(
                     time_scale=args.time_scale,
                     decode_tokens_per_s=40.0,
                     schedulers=n,
                     leases=leases,
+                    claims=claims,
                 )
                 s = replay(kv, workload, cfg).summary()
-                s["leases"] = leases
+                s["leases"], s["claims"] = leases, claims and leases and n > 1
                 rows.append(s)
                 print(" ".join(f"{k} {fmt.format(s[k])}" for k, fmt in ROWS), flush=True)
         finally:
             kv.shutdown()
     finally:
         cluster.shutdown()
-    one, leased, optimistic = rows
+    one, leased, unclaimed, optimistic = rows
     for s in rows:
+        how = f"leases {s['leases']}, claims {s['claims']}"
         report(
-            f"over-commits, {s['schedulers']} scheduler(s), leases {s['leases']}",
+            f"over-commits, {s['schedulers']} scheduler(s), {how}",
             s["overcommits"],
             "",
             0,
@@ -101,6 +108,13 @@ def main() -> None:
         100 * leased["rank_refusals"] / max(1, placements),
         "%",
         1.0,
+    )
+    info(
+        "rank refusals / placements, 4 schedulers with leases, no claims",
+        100
+        * unclaimed["rank_refusals"]
+        / max(1, unclaimed["admitted"] + unclaimed["rank_refusals"]),
+        "%",
     )
     info(
         "rank refusals / placements, 4 optimistic schedulers",
@@ -116,6 +130,11 @@ def main() -> None:
         "x",
         0.9,
         lower_is_better=False,
+    )
+    info(
+        "work per trace s, 4 schedulers with leases, no claims / 1 scheduler",
+        unclaimed["work_tokens_per_trace_s"] / base,
+        "x",
     )
     info(
         "work per trace s, 4 optimistic schedulers / 1 scheduler",

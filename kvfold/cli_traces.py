@@ -138,12 +138,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         policy=Policy[args.policy.upper()],
         schedulers=args.schedulers,
         leases=args.leases,
+        claims=args.claims,
         router=args.router,
         overlap_weight=args.overlap_weight,
     )
     stem = f"replay-{Path(args.trace).stem}"
     if args.schedulers > 1:
         stem += f"-{args.schedulers}-schedulers" + ("" if args.leases else "-optimistic")
+        stem += "" if args.claims or not args.leases else "-no-claims"
     if args.address is None:
         return _run_embedded(args, workload, stem, cfg)
     from kvfold.aggregator.client import connect
@@ -255,6 +257,14 @@ def replay_parser(sub: Any) -> None:
         action="store_false",
         help="schedulers promise from a rank's whole room (optimistic; the rank refuses "
         "collisions) instead of from their lease of it (docs/admission.md)",
+    )
+    r.add_argument(
+        "--no-claims",
+        dest="claims",
+        action="store_false",
+        help="a request larger than every lease takes a rank's whole room where its "
+        "scheduler has nothing unseen (the rank refuses collisions) instead of waiting "
+        "for a claim on it at the aggregator (docs/admission.md)",
     )
     r.add_argument("--limit", type=int, default=None, help="first N requests only")
     r.add_argument("--decode-rate", type=float, default=40.0, help="tokens/s per sequence")

@@ -82,6 +82,7 @@ class _Replay:
                 refresh_interval_s=config.step_interval_s / 2,
                 prefix_affinity=config.prefix_affinity,
                 num_controllers=n if config.leases else 1,
+                claims=config.claims,
                 name=f"replay-{i}",
                 router=config.router,
                 overlap_weight=config.overlap_weight,

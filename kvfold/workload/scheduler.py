@@ -52,6 +52,7 @@ class ReplayConfig:
     prefix_affinity: bool = True
     schedulers: int = 1  # schedulers, each in its own process, sharing the ranks
     leases: bool = True  # each scheduler promises only its share of a rank's room
+    claims: bool = True  # beyond a lease, by claims at the aggregator's desk
     router: str = Router.PRECISE_PREFIX.value  # kvfold.admission.routing
     overlap_weight: float = RoutingWeights().overlap_weight  # precise_prefix's cost
 
@@ -72,6 +73,7 @@ class SchedulerSettings:
     refresh_interval_s: float = 0.025
     prefix_affinity: bool = True
     num_controllers: int = 1
+    claims: bool = True  # beyond a lease, by claims (kvfold.admission.claims)
     name: str = "replay"
     router: str = Router.PRECISE_PREFIX.value
     overlap_weight: float = RoutingWeights().overlap_weight
@@ -106,6 +108,7 @@ class ReplayScheduler:
             watermark_blocks=settings.watermark_blocks,
             refresh_interval_s=settings.refresh_interval_s,
             num_controllers=settings.num_controllers,
+            claims=settings.claims,
             controller_id=new_controller_id(settings.name),
             router=router,
             index_source=index_source if router is Router.PRECISE_PREFIX else None,
