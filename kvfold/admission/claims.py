@@ -16,9 +16,11 @@ aggregator; every controller exchanges a note with it at each refresh):
     use       A, holding a view at least that new, may promise r up to
                   room(r) - watermark - acked - A's own unseen promises on r
               which every promise the others have made there already fits beside
-    done      A's note ends the claim once the rank has shown that promise (or the
-              grant went unused), so no other controller takes r back before the view it
-              loads with the board shows what A placed
+    done      A's note ends the claim once the rank has shown that promise, so no other
+              controller takes r back before the view it loads with the board shows
+              what A placed; or once no decision of A's has wanted it for its hold_s
+              (granted or not): a grant waits for the request that asked, which a
+              scheduler decides again at its own pace, never for a count of boards
 
 A controller is live while it exchanged within its `hold_s` (the longest it decides on
 one view: it QUEUEs past that without a new view, so a silent one cannot be promising
@@ -222,19 +224,23 @@ class ClaimHolder:
         self.ask: tuple[int, Blocks] | None = None  # to send; cleared by the next board
         self.asked = False  # the ask went out in a note whose board has not come yet
         self.used: str | None = None  # the request promised under the grant
-        self.unused_boards = 0  # boards since the grant came, with nothing promised on it
+        self.wanted_s = -math.inf  # the last decision that wanted more than a lease
         self.done: int | None = None  # the claim to end, until a board no longer has it
         self.frozen_mask: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)
 
-    def note(self, hold_s: float, version: int, unseen: Container[str]) -> ClaimNote:
+    def want(self, now_s: float) -> None:
+        """A decision wanted more than this controller's lease (its claim, or a new one)."""
+        self.wanted_s = max(self.wanted_s, now_s)
+
+    def note(self, hold_s: float, version: int, unseen: Container[str], now_s: float) -> ClaimNote:
         """The note for the next exchange. `unseen`: the requests whose promise no
-        view has shown yet (the reservation book)."""
+        view has shown yet (the reservation book); `now_s`: on the clock of want()."""
         mine = self.mine
         if mine is not None and self.done is None:
             if self.used is not None and self.used not in unseen:
                 self.done = mine.claim_id  # its rank shows it (or it was released)
-            elif mine.granted and self.used is None and self.unused_boards >= 2:
-                self.done = mine.claim_id  # granted, and nothing wanted it since
+            elif self.used is None and now_s - self.wanted_s > hold_s:
+                self.done = mine.claim_id  # no decision has wanted it for a hold
         acks = tuple((cid, b, v) for cid, (b, v) in self.acks.items())
         ask = self.ask if mine is None else None
         self.asked = ask is not None
@@ -264,9 +270,6 @@ class ClaimHolder:
         self.frozen = frozen
         if mine is None or (self.mine is not None and mine.claim_id != self.mine.claim_id):
             self.used = None
-            self.unused_boards = 0
-        if mine is not None and mine.granted and self.used is None:
-            self.unused_boards += 1
         if self.done is not None and (mine is None or mine.claim_id != self.done):
             self.done = None
         if mine is not None and mine.claim_id == self.done:

@@ -156,6 +156,14 @@ class AdmissionController:
         """Whether a thread of this controller's own is refreshing its view now."""
         return self._refresher is not None and self._refresher.is_alive()
 
+    @property
+    def refresh_due(self) -> bool:
+        """Whether this controller's next decision refreshes before it decides (in line:
+        once refresh_interval_s has passed since the last refresh)."""
+        return self._refresher is None and (
+            self.clock() - self._last_refresh_s >= self.refresh_interval_s
+        )
+
     def wait_for_view(self, timeout_s: float) -> bool:
         """Whether a view is taken in within `timeout_s` (without the background thread,
         this refreshes now if none is). Decisions before the first view QUEUE."""
@@ -197,7 +205,7 @@ class AdmissionController:
         try:
             if self._claims is not None:  # the board first: the view then shows what ended
                 with self.lock:
-                    note = self.policy.claim_note(self._hold_s())
+                    note = self.policy.claim_note(self._hold_s(), self.clock())
                 board = self._claims(self.controller_id, note)
                 if not isinstance(board, tuple) or not all(isinstance(c, Claim) for c in board):
                     raise TypeError(f"the claim desk gave a {type(board).__name__}, not claims")

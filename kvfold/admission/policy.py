@@ -164,11 +164,12 @@ class AdmissionPolicy:
 
     # ---------------------------------------------------------------- claims
 
-    def claim_note(self, hold_s: float) -> ClaimNote:
-        """What the next exchange with the claim desk says (needs `claims=True`)."""
+    def claim_note(self, hold_s: float, now_s: float) -> ClaimNote:
+        """What the next exchange with the claim desk says (needs `claims=True`):
+        a claim no decision has wanted for `hold_s` ends."""
         assert self.claims is not None
         version = self.index.version if self.index is not None else 0
-        return self.claims.note(hold_s, version, self.book)
+        return self.claims.note(hold_s, version, self.book, now_s)
 
     def load_claims(self, board: tuple[Claim, ...]) -> None:
         """Take the desk's board, after the view of the same refresh: freeze the ranks
@@ -316,6 +317,7 @@ class AdmissionPolicy:
         under its granted claim, or a claim asked for (kvfold.admission.claims)."""
         h = self.claims
         assert h is not None
+        h.want(now_s)
         need = dict(zip(idx.windows, need_list, strict=True))
         need_col = np.array(need_list, dtype=np.int64)
         whole = idx.room - self.watermark_blocks

@@ -28,7 +28,9 @@ class ControllerSettings:
     for a new one in the controller's process (new_controller_id), or one that no
     controller has used with these ranks before (the ranks remember its tickets);
     refresh_in_background: refresh in a thread of the controller's own
-    (AdmissionController)."""
+    (AdmissionController); claims: with several controllers, a request larger than
+    every lease waits for a claim at the aggregator's desk (False: the overflow rule;
+    docs/admission.md)."""
 
     policy: Policy = Policy.GUARANTEED_NO_EVICT
     num_controllers: int = 1
@@ -38,6 +40,7 @@ class ControllerSettings:
     sent_ttl_s: float = SENT_TTL_S
     controller_id: str | None = None
     refresh_in_background: bool = False
+    claims: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Policy):
@@ -55,6 +58,7 @@ class ControllerSettings:
         if self.controller_id is not None:
             check_controller_id(self.controller_id)
         check_bool("refresh_in_background", self.refresh_in_background)
+        check_bool("claims", self.claims)
         if self.refresh_in_background:
             check_positive("refresh_interval_s", self.refresh_interval_s)
 
@@ -70,6 +74,7 @@ class ControllerSettings:
             router=self.router,
             weights=RoutingWeights(sent_ttl_s=self.sent_ttl_s),
             refresh_in_background=self.refresh_in_background,
+            claims=self.claims,
         )
 
 
@@ -83,6 +88,7 @@ def settings_for_controllers(
     watermark_blocks: int = 0,
     refresh_interval_s: float = 0.05,
     refresh_in_background: bool = False,
+    claims: bool = True,
 ) -> list[ControllerSettings]:
     """One ControllerSettings per controller of `n` sharing the ranks (each told there
     are `n`); `controller_ids`: None (each makes its own), or `n` distinct ids."""
@@ -107,6 +113,7 @@ def settings_for_controllers(
             sent_ttl_s,
             cid,
             refresh_in_background,
+            claims,
         )
         for cid in ids
     ]

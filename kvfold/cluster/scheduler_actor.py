@@ -74,6 +74,7 @@ def start_controllers(
     watermark_blocks: int = 0,
     refresh_interval_s: float = 0.05,
     refresh_in_background: bool = True,
+    claims: bool = True,
 ) -> list[Any]:
     """`n` ControllerActors sharing the ranks (each told there are `n`), each in its
     own worker process, up when this returns. `router`: a Router or its name (None:
@@ -81,8 +82,9 @@ def start_controllers(
     counts as held before the index shows it; `controller_ids`: None (each makes a new
     one), or `n` distinct ids no controller has used with these ranks before;
     `refresh_in_background`: each refreshes in a thread of its own, off the path of the
-    decide calls it serves. Every argument is checked (ValueError, TypeError) before any
-    Ray call."""
+    decide calls it serves; `claims`: a request larger than every lease waits for a
+    claim at the aggregator's desk (False: the overflow rule). Every argument is
+    checked (ValueError, TypeError) before any Ray call."""
     settings = settings_for_controllers(
         n,
         policy,
@@ -92,6 +94,7 @@ def start_controllers(
         watermark_blocks=watermark_blocks,
         refresh_interval_s=refresh_interval_s,
         refresh_in_background=refresh_in_background,
+        claims=claims,
     )
     cls: Any = ray.remote(num_cpus=0, max_restarts=0)(ControllerActor).options(
         scheduling_strategy=_beside_the_driver()

@@ -337,6 +337,7 @@ def test_controller_settings_reach_the_controller() -> None:
         ({"watermark_blocks": -1}, ValueError, "watermark_blocks must be >= 0, got -1"),
         ({"refresh_interval_s": 0}, ValueError, "refresh_interval_s must be a finite number > 0"),
         ({"refresh_in_background": "yes"}, TypeError, "refresh_in_background must be a bool"),
+        ({"claims": 1}, TypeError, "claims must be a bool"),
         ({"router": Router.ROUND_ROBIN}, AssertionError, "ray.remote called"),  # all good
     ],
 )

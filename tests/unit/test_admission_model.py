@@ -2,15 +2,22 @@
 
 Random sequences of decisions, placements (delivered late, in each controller's
 order), growth in random steps up to the declared length, releases, rank reports
-taken at random moments and view refreshes, with prompts that share prefixes, on a
-full-attention pool and a sliding window. The promises checked after every step:
+taken at random moments, view refreshes and time passing, with prompts that share
+prefixes, on window configurations drawn per run (full attention alone, one or two
+sliding windows; pools as small as one request, smaller than the controllers times a
+request). 1 to 4 controllers, with the claim desk and without. The promises checked
+after every step:
 
 - every rank's committed blocks recount exactly and never exceed its total;
 - under GUARANTEED_NO_EVICT every placed request reaches its declared length;
 - with one controller under GUARANTEED_NO_EVICT the rank never refuses a placement;
 - under MAX_UTILIZATION a placed request always gets its first block of growth;
 - with several controllers and a claim desk (kvfold.admission.claims), a request
-  promised under a granted claim is never refused, however stale the others' views.
+  promised under a granted claim is never refused, however stale the others' views;
+- liveness, whatever came before: once the cluster is idle, a request that an empty
+  rank's cache takes (the oracle) is admitted within the rounds of refreshes a claim
+  needs, plus a hold for the claims others asked for and then stopped wanting; one
+  an empty rank cannot take is rejected.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvfold.admission import AdmissionController, AdmissionRequest, Decision, Outcome, Policy
 from kvfold.admission.claims import Claim, ClaimDesk, ClaimNote
@@ -34,8 +41,22 @@ from kvfold.worker.tickets import TicketBook
 from tests.unit.builders import make_cache
 
 B = 4
-WINDOWS = (None, 12)
 TOPO = Topology(3, 2)  # two nodes, the second partial
+# (windows, blocks per window): what every rank's cache holds, drawn once per run
+CONFIGS: tuple[tuple[tuple[int | None, ...], dict[int | None, int]], ...] = (
+    ((None,), {None: 14}),
+    ((None,), {None: 7}),  # a request may take the whole pool
+    ((None, 12), {None: 14, 12: 8}),
+    ((None, 8), {None: 24, 8: 6}),  # the window's pool is smaller than 4 leases of a request
+    ((None, 8), {None: 10, 8: 3}),  # one request's window peak fills it
+    ((None, 8, 16), {None: 16, 8: 4, 16: 6}),
+)
+INTERVAL_S = 0.1  # each controller's refresh interval, on the model's clock
+HOLD_S = 1.0  # its view_timeout_s: the hold after which a claim nobody wants ends
+# an idle cluster's request: a claim's ask, freeze, ack, grant and use take 4 rounds; a
+# claim another controller asked for and stopped wanting ends a hold (and a round) later;
+# a scheduler deciding every k rounds adds up to k before its ask and k after the grant
+LIVENESS_ROUNDS = round(HOLD_S / INTERVAL_S) + 8
 
 
 @dataclass
@@ -53,10 +74,12 @@ class AdmissionModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.caches: dict[int, PagedKVCache] = {
-            r: make_cache(num_blocks={None: 14, 12: 8}, windows=WINDOWS, tokens_per_block=B)
-            for r in range(TOPO.world_size)
-        }
+        self.now = 0.0  # the controllers' and the desk's clock
+
+    @initialize(config=st.sampled_from(CONFIGS))
+    def start(self, config: tuple[tuple[int | None, ...], dict[int | None, int]]) -> None:
+        self.windows, self.num_blocks = config
+        self.caches: dict[int, PagedKVCache] = {r: self._empty() for r in range(TOPO.world_size)}
         self.books = {r: TicketBook() for r in self.caches}
         self.reports: dict[int, RankReport] = {}
         self.silent: set[int] = set()  # ranks the views show stale until they report again
@@ -69,7 +92,9 @@ class AdmissionModel(RuleBasedStateMachine):
             AdmissionController(
                 self.current_view,
                 policy=self.policy,
-                refresh_interval_s=1e9,
+                refresh_interval_s=INTERVAL_S,  # a decision refreshes once the clock moved
+                view_timeout_s=HOLD_S,
+                clock=lambda: self.now,
                 num_controllers=self.num_controllers,
                 reservation_ttl_s=1e9,
                 claim_source=self.exchange if self.claims else None,
@@ -86,8 +111,16 @@ class AdmissionModel(RuleBasedStateMachine):
         self.admitted = 0
         self.claimed = 0  # placements under a granted claim
 
+    def _empty(self) -> PagedKVCache:
+        return make_cache(
+            num_blocks=self.num_blocks,
+            windows=self.windows,
+            tokens_per_block=B,
+            num_layers=len(self.windows),
+        )
+
     def exchange(self, controller_id: str, note: ClaimNote) -> tuple[Claim, ...]:
-        return self.desk.exchange(controller_id, note, 0.0)  # no controller lapses
+        return self.desk.exchange(controller_id, note, self.now)
 
     def current_view(self) -> ClusterView:
         assert self.view is not None
@@ -143,6 +176,7 @@ class AdmissionModel(RuleBasedStateMachine):
         # three families of prompts that share their first blocks
         tokens = [prefix * 1000 + i for i in range(min(prompt, 12))]
         tokens += [self.next_id * 100 + i for i in range(prompt - len(tokens))]
+        self.ctls[c].refresh()  # in line, when due: the lease read next is the one it decides on
         policy = self.ctls[c].policy
         lease = policy.room().copy()  # what this controller may promise, per window and rank
         d = self.ctls[c].decide(AdmissionRequest(rid, prompt, max_new))
@@ -227,6 +261,59 @@ class AdmissionModel(RuleBasedStateMachine):
         for c in self.ctls:
             c.refresh(force=True)
 
+    @rule(dt=st.sampled_from([0.01, INTERVAL_S, 0.5, HOLD_S + 0.2]))
+    def time_passes(self, dt: float) -> None:
+        """Nobody decides for a while: grants wait, unwanted claims end, and a
+        controller silent past its hold lapses at the desk."""
+        self.now += dt
+
+    @rule(
+        c=st.integers(0, 3),
+        prompt=st.integers(1, 24),
+        max_new=st.integers(0, 24),
+        every=st.integers(1, round(HOLD_S / INTERVAL_S) - 1),
+    )
+    def idle_then_admit(self, c: int, prompt: int, max_new: int, every: int) -> None:
+        """Liveness: everything placed runs out and leaves, and a scheduler decides one
+        request again every `every` refresh intervals (at its own pace, within a hold)
+        until it is admitted; the controllers refresh at every interval."""
+        for k in range(len(self.ctls)):
+            while self.pending[k]:
+                self.deliver(k)
+        for rid in sorted(self.placed):
+            self.caches[self.placed.pop(rid).rank].free_sequence(rid)
+        for r in self.caches:
+            self._report(r)
+        ctl = self.ctls[c % len(self.ctls)]
+        self.next_id += 1
+        rid = f"idle{self.next_id}"
+        request = AdmissionRequest(rid, prompt, max_new)
+        oracle = self._empty()  # whether an empty rank takes it to its full length
+        fits = oracle.add_sequence("x", list(range(prompt)), max_new_tokens=max_new)
+        rounds = LIVENESS_ROUNDS + 2 * every
+        for i in range(rounds):
+            self.now += INTERVAL_S
+            self.refresh_all(i)
+            if i % every:
+                continue
+            d = ctl.decide(request)
+            if not fits:
+                assert (d.outcome, d.reason) == (Outcome.REJECT, "exceeds_rank_capacity"), d
+                return
+            assert d.outcome is not Outcome.REJECT, d
+            if d.outcome is Outcome.ADMIT:
+                tokens = [10**6 + self.next_id * 100 + j for j in range(prompt)]
+                self.pending[c % len(self.ctls)].append((rid, tokens, max_new, d))
+                self.admitted += 1
+                self.deliver(c % len(self.ctls))
+                assert rid in self.placed, f"an idle rank refused {rid}: {d}"
+                return
+        raise AssertionError(
+            f"{rid} ({prompt}+{max_new} tokens) fits an empty rank of {self.num_blocks} "
+            f"but was not admitted within {rounds} refresh intervals on an idle cluster, "
+            f"decided every {every}: last {d}, board {self.desk.board()}"
+        )
+
     # ------------------------------------------------------------------ promises
 
     @invariant()
@@ -238,8 +325,12 @@ class AdmissionModel(RuleBasedStateMachine):
     @invariant()
     def a_usable_grant_fits_beside_every_promise_still_on_its_way(self) -> None:
         """Whatever order the others' promises arrive in, what a grant lets its owner
-        promise fits: the rank's room now less every promise not delivered yet."""
+        promise fits: the rank's room now less every promise not delivered yet. (A
+        controller whose next decision refreshes first decides on no grant it holds
+        now: the desk may have ended it, the owner having fallen silent past its hold.)"""
         for ctl in self.ctls:
+            if ctl.refresh_due:
+                continue
             policy, idx = ctl.policy, ctl.policy.index
             assert policy.claims is not None and idx is not None
             whole = idx.room - policy.watermark_blocks
@@ -268,8 +359,9 @@ class OneControllerMaxUtilization(AdmissionModel):
     policy = Policy.MAX_UTILIZATION
 
 
-class ThreeControllersGuaranteed(AdmissionModel):
-    num_controllers = 3
+class TwoControllersWithClaims(AdmissionModel):
+    num_controllers = 2
+    claims = True
 
 
 class ThreeControllersWithClaims(AdmissionModel):
@@ -277,14 +369,34 @@ class ThreeControllersWithClaims(AdmissionModel):
     claims = True
 
 
+class FourControllersWithClaims(AdmissionModel):
+    num_controllers = 4
+    claims = True
+
+
+class ThreeControllersGuaranteed(AdmissionModel):  # the overflow rule, without claims
+    num_controllers = 3
+
+
+class FourControllersMaxUtilization(AdmissionModel):
+    num_controllers = 4
+    policy = Policy.MAX_UTILIZATION
+    claims = True
+
+
 SETTINGS = settings(max_examples=60, stateful_step_count=50, deadline=None)
 TestOneControllerGuaranteed = OneControllerGuaranteed.TestCase
-TestOneControllerGuaranteed.settings = settings(SETTINGS, max_examples=200)
+TestOneControllerGuaranteed.settings = settings(SETTINGS, max_examples=120)
 TestOneControllerMaxUtilization = OneControllerMaxUtilization.TestCase
 TestOneControllerMaxUtilization.settings = SETTINGS
+TestTwoControllersWithClaims = TwoControllersWithClaims.TestCase
+TestTwoControllersWithClaims.settings = SETTINGS
+TestThreeControllersWithClaims = ThreeControllersWithClaims.TestCase
+CLAIMS_SETTINGS = settings(SETTINGS, max_examples=100, stateful_step_count=80)
+TestThreeControllersWithClaims.settings = CLAIMS_SETTINGS
+TestFourControllersWithClaims = FourControllersWithClaims.TestCase
+TestFourControllersWithClaims.settings = CLAIMS_SETTINGS
 TestThreeControllersGuaranteed = ThreeControllersGuaranteed.TestCase
 TestThreeControllersGuaranteed.settings = SETTINGS
-TestThreeControllersWithClaims = ThreeControllersWithClaims.TestCase
-TestThreeControllersWithClaims.settings = settings(
-    SETTINGS, max_examples=150, stateful_step_count=80
-)
+TestFourControllersMaxUtilization = FourControllersMaxUtilization.TestCase
+TestFourControllersMaxUtilization.settings = SETTINGS

@@ -145,3 +145,57 @@ def test_two_controllers_take_a_claim_from_freeze_to_end() -> None:
     b.refresh(force=True)
     assert desk.board() == ()
     assert b.policy.claims is not None and not b.policy.claims.frozen
+
+
+def test_a_grant_waits_for_a_scheduler_that_decides_again_at_its_own_pace() -> None:
+    """The stall of several controllers on a small pool: a grant used to end after two
+    boards unused, so a scheduler deciding again less often than every two refreshes
+    never found it. A claim now lasts while a decision has wanted it within its
+    controller's hold_s, however many boards pass, and ends once none has."""
+    topo = Topology(2, 2)
+    desk = ClaimDesk()
+    clock = {"now": 0.0}
+    view = make_view(topo, total=100, version=1)
+
+    def exchange(cid: str, note: ClaimNote) -> tuple[Claim, ...]:
+        return desk.exchange(cid, note, clock["now"])
+
+    a, b = (
+        AdmissionController(
+            lambda: view,
+            num_controllers=2,
+            refresh_interval_s=0.05,
+            view_timeout_s=1.0,  # hold_s: a claim no decision wants for 1 s ends
+            clock=lambda: clock["now"],
+            claim_source=exchange,
+        )
+        for _ in range(2)
+    )
+
+    def rounds(n: int) -> None:  # n refresh intervals, every controller refreshing in each
+        for _ in range(n):
+            clock["now"] += 0.05
+            for c in (a, b):
+                c.refresh(force=True)
+
+    for c in (a, b):
+        c.refresh(force=True)
+    big = AdmissionRequest("big", 240, 0)  # 60 blocks: larger than either lease of 50
+    assert a.decide(big).reason == "awaiting_claim"
+    rounds(15)  # 0.75 s of boards: granted after 3, then 12 unused, still within the hold
+    (claim,) = desk.board()
+    assert claim.granted and claim.owner == a.controller_id
+    d = a.decide(big)
+    assert (d.outcome, d.reason, d.rank) == (Outcome.ADMIT, "fits_claim", claim.rank)
+    assert a.release("big")  # the scheduler could not place it: the claim ends
+    rounds(2)
+    assert desk.board() == ()
+
+    # asked for, then never wanted again: it ends a hold after the last wanting decision
+    assert a.decide(AdmissionRequest("big2", 240, 0)).reason == "awaiting_claim"
+    rounds(19)  # 0.95 s
+    (claim,) = desk.board()
+    assert claim.granted and b.policy.claims is not None and b.policy.claims.frozen
+    rounds(3)  # past 1 s: a's note ends it, and b takes the rank back
+    assert desk.board() == ()
+    assert b.policy.claims.frozen == {} and (b.policy.room()[:, claim.rank] == 50).all()
