@@ -1,6 +1,7 @@
 """One scheduler against four in four processes, on the same trace and the same cluster.
 
-Replays ../shared/traces/synthetic_trace.jsonl (the first --limit requests) on an
+Replays a Mooncake trace (the first --limit requests of --trace; by default the 500 of
+tests/fixtures/traces, Mooncake's whole synthetic_trace.jsonl for the full run) on an
 embedded cluster (3 nodes x 4 simulated GPUs, world size 10, 4,096 blocks of 64 tokens
 per rank, as `kvfold replay` has them) with 1 scheduler, then
 with 4 holding leases and claims beyond them, 4 with leases taking a whole room beyond
@@ -9,7 +10,8 @@ guard). Targets: over-commits 0; with 4 schedulers, rank refusals <= 1% of
 placements, and the work done per trace second within 10% of the single scheduler's
 (the baseline, measured in the same run).
 
-    python benchmarks/bench_replay_schedulers.py [--limit N] [--time-scale X] [--num-blocks N]
+    python benchmarks/bench_replay_schedulers.py [--trace F] [--limit N] [--time-scale X]
+        [--num-blocks N]
 
 The replay's trace clock follows the wall clock, so a machine busy with other work
 changes the arrivals it sees: run it on a quiet machine, and compare rows of one run.
@@ -29,7 +31,10 @@ from _report import info, report
 from kvfold.cluster import launch, start_local_cluster  # before Ray: the cluster stays closed
 from kvfold.workload.scheduler import ReplayConfig
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+# the shipped cut (500 requests); pass --trace for Mooncake's whole synthetic_trace.jsonl
+TRACE = (
+    Path(__file__).resolve().parents[1] / "tests/fixtures/traces/mooncake_synthetic_first500.jsonl"
+)
 # (schedulers, leases, claims): the anchor first, then 4 with claims beyond their leases,
 # 4 taking a whole room beyond them (the rule before claims), 4 optimistic
 RUNS = ((1, True, True), (4, True, True), (4, True, False), (4, False, False))
@@ -53,14 +58,12 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=20.0)
     ap.add_argument("--num-blocks", type=int, default=4096, help="GPU blocks (64 tokens) per rank")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--trace", type=Path, default=TRACE, help="a Mooncake .jsonl trace")
     args = ap.parse_args()
-    if not TRACE.exists():
-        print(f"needs the shared trace at {TRACE}")
-        return
     from kvfold.worker import KVCacheConfig
     from kvfold.workload.traces import load_mooncake
 
-    workload = load_mooncake(TRACE, limit=args.limit)
+    workload = load_mooncake(args.trace, limit=args.limit)
     cluster = start_local_cluster(3, 4)
     from kvfold.cluster.replay import replay  # imports Ray: after the cluster is configured
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,10 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvfold.stats import window_label
 from kvfold.worker import KVCacheConfig
 from tests.integration.conftest import running, wait_until
+from tests.traces import MOONCAKE
 
 pytestmark = pytest.mark.integration
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
 CACHE = KVCacheConfig(
     tokens_per_block=64,
     num_blocks=2048,
@@ -96,7 +95,7 @@ def test_mooncake_replay_never_over_commits(kv, tmp_path) -> None:  # type: igno
     from kvfold.cluster.replay import ReplayConfig, replay
     from kvfold.workload.traces import load_mooncake
 
-    workload = load_mooncake(TRACE, limit=150)
+    workload = load_mooncake(MOONCAKE, limit=150)
     rec = replay(kv, workload, ReplayConfig(time_scale=100.0, decode_tokens_per_s=40.0))
     s = rec.summary()
     assert s["overcommits"] == 0
@@ -139,7 +138,7 @@ def test_four_schedulers_in_four_processes_share_the_ranks(kv) -> None:  # type:
     from kvfold.workload.traces import load_mooncake
 
     before = sum(r.num_refused for n in kv.view().nodes for r in n.ranks)
-    workload = load_mooncake(TRACE, limit=150)
+    workload = load_mooncake(MOONCAKE, limit=150)
     cfg = ReplayConfig(time_scale=100.0, decode_tokens_per_s=40.0, schedulers=4)
     s = replay(kv, workload, cfg).summary()
     assert s["schedulers"] == 4 and s["overcommits"] == 0 and s["decode_stalls"] == 0

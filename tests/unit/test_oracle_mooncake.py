@@ -4,14 +4,11 @@ reuse and miss exactly as an independent offline LRU simulation says."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from pathlib import Path
-
-import pytest
 
 from kvfold.worker import KVCacheConfig, PagedKVCache
 from kvfold.workload.traces import load_mooncake
+from tests.traces import MOONCAKE
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
 B = 64
 CAPACITY = 4096
 
@@ -63,14 +60,11 @@ class OfflineLRU:
         return hits, n - hits
 
 
-@pytest.mark.skipif(
-    not TRACE.exists(), reason=f"needs the shared trace at {TRACE} (beside the checkout; CI has it)"
-)
 def test_first_500_requests_match_offline_lru_to_the_block() -> None:
     import json
 
-    records = [json.loads(line) for line in TRACE.read_text().splitlines()[:500]]
-    requests = load_mooncake(TRACE, limit=500)
+    records = [json.loads(line) for line in MOONCAKE.read_text().splitlines()[:500]]
+    requests = load_mooncake(MOONCAKE, limit=500)
     cache = PagedKVCache(
         KVCacheConfig(
             tokens_per_block=B,

@@ -17,9 +17,8 @@ from kvfold.workload.engine import SimEngine
 from kvfold.workload.recorder import ReplayRecorder, sample_view
 from kvfold.workload.requests import shared_prefix_workload
 from kvfold.workload.traces import hash_id_tokens, load_azure, load_mooncake, load_trace
+from tests.traces import AZURE_CODE, MOONCAKE
 from tests.unit.builders import make_cache, make_report
-
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 
 def test_engine_prefills_decodes_and_frees() -> None:
@@ -89,12 +88,8 @@ def test_shared_prefix_workload_is_deterministic_and_shares() -> None:
     assert k0[:16] == k1[:16]  # at least 256 shared tokens
 
 
-@pytest.mark.skipif(
-    not (TRACES / "synthetic_trace.jsonl").exists(),
-    reason=f"needs the shared traces beside the checkout ({TRACES}); CI has them",
-)
 def test_mooncake_prefix_sharing_is_exact_at_any_block_size() -> None:
-    reqs = load_mooncake(TRACES / "synthetic_trace.jsonl", limit=200)
+    reqs = load_mooncake(MOONCAKE, limit=200)
     assert reqs[0].prompt_tokens == 40160 and reqs[0].arrival_s == 0.0
     assert np.array_equal(reqs[0].prompt[:512], hash_id_tokens(0))
     for tpb in (16, 64, 512):
@@ -102,12 +97,8 @@ def test_mooncake_prefix_sharing_is_exact_at_any_block_size() -> None:
         assert ka[0] != kb[0]  # different first hash ids share nothing
 
 
-@pytest.mark.skipif(
-    not (TRACES / "AzureLLMInferenceTrace_code.csv").exists(),
-    reason=f"needs the shared traces beside the checkout ({TRACES}); CI has them",
-)
 def test_azure_loader() -> None:
-    reqs = load_azure(TRACES / "AzureLLMInferenceTrace_code.csv", limit=3)
+    reqs = load_azure(AZURE_CODE, limit=3)
     assert [(r.prompt_tokens, r.max_new_tokens) for r in reqs] == [(4808, 10), (3180, 8), (110, 27)]
     assert reqs[1].arrival_s == pytest.approx(0.052)
 
