@@ -16,7 +16,7 @@ import ray
 
 from kvfold.aggregator.node_actor import HostKVActor
 from kvfold.hosttier import unpack_blocks
-from kvfold.worker.config import BlockLayout
+from kvfold.hosttier.layout import BlockLayout
 
 
 class ProbeNode(HostKVActor):

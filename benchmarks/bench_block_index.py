@@ -28,7 +28,9 @@ from _report import info, percentile, report
 from bench_admission import view_at_scale
 
 from kvfold.admission import AdmissionController, AdmissionRequest, Outcome, Router
-from kvfold.blockindex.events import (
+from kvfold.blockindex.feed import IndexFeed, Replica
+from kvfold.blockindex.index import BlockIndex
+from kvfold.kvevents.events import (
     RANK,
     BlockStored,
     Envelope,
@@ -36,8 +38,6 @@ from kvfold.blockindex.events import (
     decode_envelope,
     encode_envelope,
 )
-from kvfold.blockindex.feed import IndexFeed, Replica
-from kvfold.blockindex.index import BlockIndex
 
 WORLD, GPN = 1024, 8
 RANK_TO_NODE = [r // GPN for r in range(WORLD)]

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import msgpack
 from _report import info, report
 
-from kvfold.blockindex.events import RANK
 from kvfold.blockindex.index import BlockIndex
 from kvfold.engines.engine_source import EngineSource
+from kvfold.kvevents.events import RANK
 
 B = 32
 PER_BATCH = 8  # blocks stored per batch, and as many removed

@@ -58,12 +58,12 @@ apply_local_defaults(None)
 
 from ray import serve
 
+from kvfold.bench.bench_serve import first_text
 from kvfold.cluster import launch, start_local_cluster
-from kvfold.cluster.engine_replica import engine_deployment
-from kvfold.cluster.front_door import serve_front_door, start_serve
+from kvfold.engines.engine_fleet import EngineFleet
 from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port
-from kvfold.serving.bench_serve import first_text
-from kvfold.serving.engine_fleet import EngineFleet
+from kvfold.serving.engine_replica import engine_deployment
+from kvfold.serving.front_door import serve_front_door, start_serve
 from kvfold.serving.settings import FrontDoorSettings
 
 

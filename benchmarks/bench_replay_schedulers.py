@@ -65,7 +65,7 @@ def main() -> None:
 
     workload = load_mooncake(args.trace, limit=args.limit)
     cluster = start_local_cluster(3, 4)
-    from kvfold.cluster.replay import replay  # imports Ray: after the cluster is configured
+    from kvfold.replay.trace_replay import replay  # imports Ray: after the cluster is configured
 
     rows = []
     try:

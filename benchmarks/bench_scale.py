@@ -145,7 +145,7 @@ class Reader:
         from kvfold.aggregator.capacity_delta import CapacityReader
         from kvfold.aggregator.view_delta import ViewReader
         from kvfold.blockindex.client import IndexClient
-        from kvfold.blockindex.events import BlockStored
+        from kvfold.kvevents.events import BlockStored
         from kvfold.workload.fleet_load import SHARED_TAG, probe_sent_s, report_sent_s
 
         reader = ViewReader()

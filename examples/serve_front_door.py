@@ -27,9 +27,9 @@ apply_local_defaults(None)  # before Ray is imported (docs/security.md)
 from ray import serve  # noqa: E402
 
 from kvfold.cluster import launch, start_local_cluster  # noqa: E402
-from kvfold.cluster.front_door import serve_front_door  # noqa: E402
+from kvfold.engines.engine_fleet import EngineFleet  # noqa: E402
 from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port  # noqa: E402
-from kvfold.serving.engine_fleet import EngineFleet  # noqa: E402
+from kvfold.serving.front_door import serve_front_door  # noqa: E402
 from kvfold.serving.settings import FrontDoorSettings  # noqa: E402
 
 

@@ -1,8 +1,9 @@
 """kvfold: one live, correct picture of KV-cache capacity across an LLM-serving cluster.
 
 The core (topology, stats, worker, aggregator folds, admission policy) is plain
-Python with no Ray import; the Ray shells live in `*_actor.py`, `cluster/`,
-the `client.py` modules and `cli.py`, and are imported lazily here.
+Python with no Ray import; the Ray shells live in `*_actor.py`, `cluster/`, `replay/`,
+Ray Serve's modules in `serving/`, the `client.py` modules and `cli.py`, and are imported
+lazily here. The rooms, from the ground up: the README's Layout.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""`kvfold bench-serve TRACE`: real engines, real HTTP, four ways (kvfold.serving.bench_serve).
+"""`kvfold bench-serve TRACE`: real engines, real HTTP, four ways (kvfold.bench.bench_serve).
 
-Its flags and the trace; kvfold.cluster.serve_bench starts what it measures. Nothing on its
+Its flags and the trace; kvfold.bench.serve_runner starts what it measures. Nothing on its
 path imports Ray before the embedded cluster is configured (tests/unit/test_cli_imports.py).
 """
 
@@ -49,7 +49,7 @@ def bench_serve_parser(sub: Any) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from kvfold.serving.bench_serve import ARMS
+    from kvfold.bench.bench_serve import ARMS
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     bad = [a for a in arms if a not in ARMS]
@@ -61,7 +61,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print("--engines and --limit must be > 0, --skip and --prefix-weight >= 0",
               file=sys.stderr)  # fmt: skip
         return 2
-    from kvfold.serving.bench_trace import serve_requests
+    from kvfold.bench.bench_trace import serve_requests
 
     try:
         requests = serve_requests(
@@ -75,7 +75,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     t_first = requests[0].arrival_s
     requests = [type(r)(r.request_id, r.arrival_s - t_first, r.prompt, r.max_tokens)
                 for r in requests]  # fmt: skip
-    from kvfold.cluster.serve_bench import run_bench
+    from kvfold.bench.serve_runner import run_bench
 
     return run_bench(args, arms, requests)
 

@@ -88,9 +88,9 @@ def _run_embedded(args: argparse.Namespace, workload: Any, stem: str, replay_cfg
 
 def _replay_on(kv: Any, args: argparse.Namespace, workload: Any, stem: str, cfg: Any) -> int:
     """Replay `workload` on a running kvfold; print the summary, write CSV/PNG/JSON."""
-    from kvfold.cluster.replay import replay
     from kvfold.display import render_table
     from kvfold.live import LiveView
+    from kvfold.replay.trace_replay import replay
 
     url = kv.client.metrics_url()
     if url:
@@ -192,7 +192,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         flush=True,
     )
     cluster = start_local_cluster(args.nodes, args.gpus_per_node, namespace=DEFAULT_NAMESPACE)
-    from kvfold.cluster.compare import compare, format_table, write_table  # imports Ray
+    from kvfold.replay.compare import compare, format_table, write_table  # imports Ray
 
     try:
 

@@ -31,8 +31,8 @@ from typing import Any, Generic, TypeVar
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from kvfold.blockindex.events import RANK, Envelope, Event, EventBatch, encode_envelope
-from kvfold.blockindex.feed import Snapshot
+from kvfold.kvevents.events import RANK, Envelope, Event, EventBatch, encode_envelope
+from kvfold.kvevents.snapshot import Snapshot
 from kvfold.naming import AGGREGATOR_NAME, node_actor_name
 from kvfold.stats import Window
 

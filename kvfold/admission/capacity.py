@@ -10,7 +10,7 @@ watermark and what this controller promised since. A rank whose source does not
 publish its commitments (an engine's, `RankSummary.unknown`) is no candidate: room on
 it cannot be promised (the front door keeps an engine's commitments itself, DESIGN
 §11). `seen` is, per rank, this controller's highest ticket the rank has shown
-(kvfold.worker.tickets), which settles those promises.
+(kvfold.tickets), which settles those promises.
 
 What a node gives a controller is its `NodeRows`: a few numbers per rank, nothing of
 the node's sequences, counters or report times. A `CapacityTable` holds every rank's

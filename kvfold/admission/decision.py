@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 from kvfold.checks import check_int
 from kvfold.stats import Window
+from kvfold.tickets import Ticket
 from kvfold.worker.commitments import Policy, declared_end
-from kvfold.worker.tickets import Ticket
 from kvfold.worker.windows import window_manager
 
 __all__ = ["AdmissionRequest", "Decision", "Outcome", "Policy", "blocks_needed"]

@@ -8,7 +8,7 @@ capacity), less the watermark and what this controller promised it since:
     room = total - committed - watermark_blocks - reserved
 
 `reserved` holds only the admissions whose ticket the rank has not shown yet
-(kvfold.worker.tickets): a reservation is released the moment a view shows its ticket.
+(kvfold.tickets): a reservation is released the moment a view shows its ticket.
 With `num_controllers` controllers admitting into the same ranks, each promises only
 from its lease, room // num_controllers; a request larger than any lease may take a
 whole rank's room where this controller has nothing unseen (the rank's own check
@@ -37,9 +37,9 @@ from kvfold.admission.routing import RankChooser, Router, RoutingWeights
 from kvfold.blockindex.feed import Replica
 from kvfold.checks import check_int, check_positive
 from kvfold.stats import Window
+from kvfold.tickets import MAX_CONTROLLER_ID_CHARS, Ticket, check_controller_id
 from kvfold.view import ClusterView
-from kvfold.worker.commitments import Policy, declared_end
-from kvfold.worker.tickets import MAX_CONTROLLER_ID_CHARS, Ticket, check_controller_id
+from kvfold.worker.commitments import Policy, blocks_to_end, declared_end
 
 IntArray = npt.NDArray[np.int64]
 
@@ -236,8 +236,8 @@ class AdmissionPolicy:
         end = full_end
         if self.capacity_policy is not Policy.GUARANTEED_NO_EVICT:
             end = declared_end(P, request.max_new_tokens, self.capacity_policy, B)
-        need_list = [m.peak_blocks(P, end) for m in idx.managers]
-        whole = need_list if end == full_end else [m.peak_blocks(P, full_end) for m in idx.managers]
+        need_list = blocks_to_end(idx.managers, P, end)
+        whole = need_list if end == full_end else blocks_to_end(idx.managers, P, full_end)
         need = dict(zip(idx.windows, need_list, strict=True))
         could: npt.NDArray[np.bool_]
         floor = self._min_fresh_capacity

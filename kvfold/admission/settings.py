@@ -1,5 +1,5 @@
 """ControllerSettings: how one AdmissionController is set up, as one plain value. Pure; no
-Ray. The hand-off to controllers in processes of their own (kvfold.cluster.
+Ray. The hand-off to controllers in processes of their own (kvfold.replay.
 scheduler_actor.start_controllers): every argument is checked here, before any Ray call,
 and each controller builds itself from its settings in its own process.
 """
@@ -15,7 +15,7 @@ from kvfold.admission.controller import AdmissionController
 from kvfold.admission.decision import Policy
 from kvfold.admission.routing import Router, RoutingWeights, as_router
 from kvfold.checks import check_bool, check_int, check_positive
-from kvfold.worker.tickets import check_controller_id
+from kvfold.tickets import check_controller_id
 
 SENT_TTL_S = RoutingWeights().sent_ttl_s
 

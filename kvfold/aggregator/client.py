@@ -21,10 +21,10 @@ from kvfold.admission.claims import Claim, ClaimNote
 from kvfold.aggregator.capacity_delta import CapacityReader
 from kvfold.aggregator.view_delta import ViewReader
 from kvfold.blockindex.client import IndexClient, sum_index_counts
-from kvfold.blockindex.events import HOST, RANK, BlockHash
 from kvfold.blockindex.feed import Replica
 from kvfold.blockindex.prompt_match import PromptMatch, match_prompt
 from kvfold.errors import AggregatorUnavailable, NodeUnavailable, RankUnavailable
+from kvfold.kvevents.events import HOST, RANK, BlockHash
 from kvfold.naming import AGGREGATOR_NAME, DEFAULT_NAMESPACE, node_actor_name, rank_actor_name
 from kvfold.view import ClusterView, RankSummary, SourceState
 

@@ -39,9 +39,9 @@ from kvfold.ray_actor import (
     silent,
 )
 from kvfold.stats import Window
+from kvfold.tickets import check_controller_id
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
-from kvfold.worker.tickets import check_controller_id
 
 VERIFY_TIMEOUT_S = 2.0  # how long a node actor may take to confirm its incarnation
 CARRY_KEY = b"kvfold:carried-counters"  # in Ray's internal KV, per kvfold namespace

@@ -14,9 +14,9 @@ from typing import Any
 
 import ray
 
-from kvfold.blockindex.events import RANK, BlockHash, EventError, decode_envelope
 from kvfold.blockindex.feed import IndexFeed
 from kvfold.blockindex.liveness import Liveness, sources_gone
+from kvfold.kvevents.events import RANK, BlockHash, EventError, decode_envelope
 from kvfold.naming import node_actor_name, rank_actor_name
 from kvfold.ray_actor import named_actor
 
@@ -39,7 +39,7 @@ class IndexCalls:
 
     @ray.method(concurrency_group="events")
     def block_events(self, data: bytes) -> str:
-        """One source's batch of block events (kvfold.blockindex.events): what became of
+        """One source's batch of block events (kvfold.kvevents.events): what became of
         it ("applied", "kept", "duplicate", ...), or "refused" (counted)."""
         return self._ingest(data)
 

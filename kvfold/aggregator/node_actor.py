@@ -26,10 +26,11 @@ from ray.exceptions import RayError
 
 from kvfold.aggregator.node_state import NodeState
 from kvfold.aggregator.receiver import ACCEPTED, LATE
-from kvfold.blockindex.events import HOST, Event
-from kvfold.blockindex.feed import Snapshot
 from kvfold.codec import encode_node_report
 from kvfold.hosttier import HostTierServer
+from kvfold.hosttier.layout import BlockLayout
+from kvfold.kvevents.events import HOST, Event
+from kvfold.kvevents.snapshot import Snapshot
 from kvfold.naming import AGGREGATOR_NAME, rack_actor_name, rank_actor_name
 from kvfold.ray_actor import (
     BackgroundLoop,
@@ -44,7 +45,6 @@ from kvfold.ray_actor import (
 from kvfold.stats import HostStats, Window
 from kvfold.topology import Topology
 from kvfold.view import NodeUtilization, SourceState
-from kvfold.worker.config import BlockLayout
 
 VERIFY_TIMEOUT_S = 2.0
 MAX_INFLIGHT = 64

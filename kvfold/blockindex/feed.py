@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfold.blockindex.events import BlockHash, Envelope, Event
 from kvfold.blockindex.index import BlockIndex, Source
-from kvfold.stats import Window
+from kvfold.kvevents.events import Envelope, Event
+from kvfold.kvevents.snapshot import Snapshot
 
 MAX_KEPT_BATCHES = 256  # per source while out of sync; the snapshot covers what is dropped
 MAX_RETIRED = 8  # incarnations of a source remembered, so their late batches are ignored
@@ -116,19 +116,6 @@ class _Stream:
     synced: bool = True
     kept: dict[int, tuple[Event, ...]] = field(default_factory=dict)
     retired: deque[int] = field(default_factory=lambda: deque(maxlen=MAX_RETIRED))
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """A source's keys per group, as of batch `seq` of `incarnation` (taken together)."""
-
-    kind: str
-    source: int
-    incarnation: int
-    seq: int
-    keys: Mapping[int, Sequence[BlockHash]]
-    windows: Mapping[int, Window]
-    block_size: int = 0  # tokens per block (0: not known)
 
 
 class IndexFeed:

@@ -27,7 +27,8 @@ from typing import TypeAlias
 
 import numpy as np
 
-from kvfold.blockindex.events import (
+from kvfold.blockindex.match import Match, Runs, disjoint, no_runs, walk
+from kvfold.kvevents.events import (
     GPU,
     HOST,
     RANK,
@@ -37,7 +38,6 @@ from kvfold.blockindex.events import (
     BlockStored,
     Event,
 )
-from kvfold.blockindex.match import Match, Runs, disjoint, no_runs, walk
 from kvfold.stats import Window
 from kvfold.worker.windows import window_manager
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvfold.blockindex.events import HOST, RANK
 from kvfold.blockindex.index import Source
+from kvfold.kvevents.events import HOST, RANK
 from kvfold.view import ClusterView, SourceState
 
 # a source's life as the feed has it: (incarnation, incarnations it retired), or None

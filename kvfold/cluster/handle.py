@@ -28,11 +28,11 @@ from kvfold.naming import (
 )
 from kvfold.ray_actor import named_actor
 from kvfold.stats import IterationStats, KVStats, SequenceStatus, Window
+from kvfold.tickets import Ticket
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
 from kvfold.worker.commitments import Policy
 from kvfold.worker.engine import StepResult
-from kvfold.worker.tickets import Ticket
 
 CALL_TIMEOUT_S = 30.0
 

@@ -21,8 +21,8 @@ from kvfold.stats import (
     SequenceStatus,
     Window,
 )
+from kvfold.tickets import MAX_CONTROLLER_ID_CHARS, MAX_CONTROLLERS
 from kvfold.view import SourceState
-from kvfold.worker.tickets import MAX_CONTROLLER_ID_CHARS, MAX_CONTROLLERS
 
 SCHEMA_VERSION = 3  # 3: committed blocks and admission tickets travel; 2: alloc_total_blocks
 MAX_REPORT_BYTES = 64 * 1024
@@ -188,7 +188,7 @@ def ticket_rows(tickets: Mapping[str, int]) -> list[list[Any]]:
 
 
 def tickets_field(value: Any, name: str) -> dict[str, int]:
-    """Per controller id, the highest ticket taken in (kvfold.worker.tickets)."""
+    """Per controller id, the highest ticket taken in (kvfold.tickets)."""
     out: dict[str, int] = {}
     for i, row in enumerate(list_field(value, name, MAX_CONTROLLERS)):
         if not (type(row) is list and len(row) == 2):

@@ -31,9 +31,9 @@ from kvfold.codec.fields import (
     unpack,
 )
 from kvfold.stats import HOST_FIELDS, HostStats, IterationStats, Window
+from kvfold.tickets import MAX_CONTROLLERS
 from kvfold.topology import Topology
 from kvfold.view import NodeUtilization, RankSummary
-from kvfold.worker.tickets import MAX_CONTROLLERS
 
 _NODE_KEYS = frozenset({"v", "t", "n", "i", "s", "ranks", "g", "q", "d", "c", "h", "x"})
 

@@ -5,7 +5,7 @@
  "d": [[window, alloc_total, alloc_new, reused, onboarded, onboarded_bytes, missed,
         gen_alloc, evicted, offloaded, offloaded_bytes], ...],   # stats.DELTA_FIELDS
  "q": [queueing, in_prefill, prefilled, in_decode, on_hold, completed],
- "k": [[controller id, highest ticket taken in], ...],   # kvfold.worker.tickets
+ "k": [[controller id, highest ticket taken in], ...],   # kvfold.tickets
  "f": placements refused as over-commits (cumulative for the incarnation)}
 """
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from kvfold.blockindex.events import Event
 from kvfold.engines.endpoints import EngineEndpoints
 from kvfold.engines.engine_source import EngineSource
 from kvfold.engines.kinds import EngineKind
 from kvfold.engines.trtllm_events import TRTLLMTranslator, feed_page
+from kvfold.kvevents.events import Event
 
 _EMPTY_PAGES = (b"[]", "[]")
 

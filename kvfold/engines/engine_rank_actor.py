@@ -26,8 +26,6 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from kvfold.blockindex.events import RANK, Event
-from kvfold.blockindex.feed import Snapshot
 from kvfold.codec import encode_rank_report
 from kvfold.engines.endpoints import EngineEndpoints
 from kvfold.engines.engine_intake import EngineIntake
@@ -35,6 +33,8 @@ from kvfold.engines.engine_numbers import EngineNumbers
 from kvfold.engines.engine_readers import HttpEventsPoller, ZmqReader
 from kvfold.engines.kinds import engine_kind
 from kvfold.engines.vllm_metrics import MetricsError
+from kvfold.kvevents.events import RANK, Event
+from kvfold.kvevents.snapshot import Snapshot
 from kvfold.naming import node_actor_name
 from kvfold.ray_actor import BackgroundLoop, EventPublisher, InFlight, named_actor, node_phase_s
 from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus

@@ -32,7 +32,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from kvfold.blockindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvfold.engines.content_keys import ContentKeys
 from kvfold.engines.vllm_wire import (
     EngineBatch,
@@ -43,6 +42,7 @@ from kvfold.engines.vllm_wire import (
     decode_live,
     decode_replay,
 )
+from kvfold.kvevents.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvfold.stats import Window
 
 MAX_KEPT = 1024  # batches kept after a gap while the replay is asked

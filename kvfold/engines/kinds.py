@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvfold.blockindex.events import Event
 from kvfold.engines import sglang_wire
 from kvfold.engines.endpoints import ENGINE_KINDS, EngineEndpoints
 from kvfold.engines.engine_numbers import (
@@ -36,6 +35,7 @@ from kvfold.engines.engine_source import EngineSource
 from kvfold.engines.sglang_metrics import parse_sglang_metrics
 from kvfold.engines.trtllm_stats import parse_trtllm_iterations
 from kvfold.engines.vllm_metrics import METRICS_QUERY, MetricsError, parse_vllm_metrics
+from kvfold.kvevents.events import Event
 
 TakeLive = Callable[[EngineSource, list[bytes], float], list[Event]]
 TakeReplay = Callable[[EngineSource, Iterable[list[bytes]], float], list[Event]]

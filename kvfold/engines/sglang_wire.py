@@ -76,8 +76,8 @@ from kvfold.engines.vllm_wire import (
 )
 
 if TYPE_CHECKING:
-    from kvfold.blockindex.events import Event
     from kvfold.engines.engine_source import EngineSource
+    from kvfold.kvevents.events import Event
 
 ROOT_PARENT_HASH = 5740354900026072187  # hash(()) in CPython >= 3.8: early SGLang's root
 MEDIUMS = {"GPU": "GPU", "CPU_PINNED": "CPU", "CPU": "CPU"}

@@ -57,8 +57,8 @@ from kvfold.engines.vllm_wire import (
 )
 
 if TYPE_CHECKING:
-    from kvfold.blockindex.events import Event
     from kvfold.engines.engine_source import EngineSource
+    from kvfold.kvevents.events import Event
 
 GPU = "GPU"
 PRIMARY = 0  # cache_level of the GPU pool

@@ -13,7 +13,7 @@ no sockets (the shell hands frames in).
              or the positional arrays of vLLM up to about v0.23 (the tag first)
 
 Hashes are unsigned 64-bit ints (vLLM's default) or bytes. Unlike kvfold's own events
-(kvfold.blockindex.events), an engine's are untrusted input: every field is checked, and
+(kvfold.kvevents.events), an engine's are untrusted input: every field is checked, and
 anything wrong raises WireError with a short reason (counted by the caller) and a detail.
 """
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvfold.blockindex.journal import EventJournal
 from kvfold.checks import check_int
 from kvfold.devices import cuda_available
 from kvfold.errors import IntegrityError
 from kvfold.hosttier.packing import unpack_blocks
+from kvfold.kvevents.journal import EventJournal
 from kvfold.stats import HostStats, Window
 
 HostKey = tuple[Window, bytes]

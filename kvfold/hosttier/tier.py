@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfold.blockindex.events import CPU
-from kvfold.blockindex.journal import EventJournal
+from kvfold.hosttier.layout import BlockLayout
 from kvfold.hosttier.pool import HostKVPool
+from kvfold.kvevents.events import CPU
+from kvfold.kvevents.journal import EventJournal
 from kvfold.stats import HostStats, Window
-from kvfold.worker.config import BlockLayout
 
 
 class HostTierServer:

@@ -1,7 +1,7 @@
 """Requests through kvfold onto real engines (DESIGN §11, docs/serving.md).
 
-    kvfold.cluster.front_door      the OpenAI-compatible front door on Ray Serve
-    kvfold.cluster.request_router  kvfold's RequestRouter, for engines deployed as Serve replicas
+    kvfold.serving.front_door      the OpenAI-compatible front door on Ray Serve
+    kvfold.serving.request_router  kvfold's RequestRouter, for engines deployed as Serve replicas
     kvfold.serving.door_actor      the one place commitments are kept and requests placed
     kvfold.serving.door_admission  its pure core: commitments per engine, FIFO queue, routing
 

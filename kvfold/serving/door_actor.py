@@ -315,7 +315,9 @@ class DoorActor:
         while True:
             try:
                 await self._follow_once()
-            except Exception as e:  # the aggregator restarting, a view not there yet
+            except Exception as e:  # the aggregator restarting, a view not there yet; and
+                # whatever else: this loop is the door's only sight of the cluster, so no
+                # fault may end it (each is counted and logged, and it goes on)
                 self.follow_failures += 1
                 self._aggregator = None
                 if self.follow_failures % 100 == 1:

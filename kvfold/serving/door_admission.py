@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvfold.errors import KVFoldError
+from kvfold.worker.commitments import blocks_to_end
+from kvfold.worker.windows import window_manager
 
 PRECISE_PREFIX = "precise_prefix"
 LEAST_LOADED = "least_loaded"
@@ -291,7 +293,8 @@ def blocks_needed(
             f"{max_model_len}): allowed: positive sizes"
         )
     end = max_model_len if max_tokens is None else min(prompt_tokens + max_tokens, max_model_len)
-    return n * -(-end // block_size)
+    (need,) = blocks_to_end((window_manager(None, block_size),), prompt_tokens, end, n)
+    return need  # engines behind the door: one full-attention group
 
 
 __all__ = [

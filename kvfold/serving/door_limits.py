@@ -33,7 +33,8 @@ def max_model_len_of(url: str, timeout_s: float = ASK_TIMEOUT_S) -> int:
         with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout_s) as r:
             cards = json.loads(r.read())["data"]
         limit = int(cards[0]["max_model_len"])
-    except Exception as e:
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        # OSError: no answer (URLError, HTTPError, a timeout); the rest: not the card asked
         raise ValueError(
             f"engine {url}: /v1/models did not give a max_model_len ({e!r}); allowed: a "
             "running engine's OpenAI server"

@@ -55,9 +55,13 @@ class PromptTokenizer:
     def chat_text(self, messages: object, options: Mapping[str, Any]) -> str:
         """The chat rendered by the model's template, as text."""
         conversation = [_flatten(m) for m in messages]  # type: ignore[attr-defined]
+        from jinja2 import TemplateError  # transformers' templates are jinja2's
+
         try:
             text: str = self._tok.apply_chat_template(conversation, tokenize=False, **options)
-        except Exception as e:  # the template's own error (a bad role order, say)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:
+            # the template's own refusal (a bad role order, say: raise_exception in the
+            # template), a model with no template (ValueError), or messages it cannot read
             raise BadRequest("messages", f"the chat template refused them: {e}") from e
         return text
 

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable
 from itertools import repeat, takewhile
 from operator import countOf
 
-from kvfold.blockindex.journal import EventJournal
 from kvfold.errors import IntegrityError
+from kvfold.kvevents.journal import EventJournal
 from kvfold.stats import Window
 
 EvictListener = Callable[[int, bytes], None]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfold.blockindex.journal import EventJournal
+from kvfold.kvevents.journal import EventJournal
 from kvfold.stats import VALID_STATUSES, SequenceStatus, Window
 from kvfold.worker.block_pool import BlockPool
 from kvfold.worker.cache_reads import CacheReads

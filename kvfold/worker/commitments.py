@@ -16,8 +16,10 @@ declared end always finds its blocks (kvfold.worker.windows has the arithmetic).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from kvfold.checks import check_int
+from kvfold.worker.windows import WindowManager
 
 
 class Policy(enum.Enum):
@@ -67,3 +69,15 @@ def as_policy(value: Policy | str) -> Policy:
     except ValueError:
         names = [p.value for p in Policy]
         raise ValueError(f"policy must be one of {names}, got {value!r}") from None
+
+
+def blocks_to_end(
+    managers: Sequence[WindowManager], prompt_tokens: int, end_tokens: int, sequences: int = 1
+) -> list[int]:
+    """The blocks a request may need per window group (in `managers`' order) while each of
+    its `sequences` grows from its prompt to its declared end: each window's peak, every
+    sequence counted (a shared prompt counted per sequence: never too few). What both
+    admission cores promise from: the controllers' (kvfold.admission.policy, a promise is
+    kept where each window's room holds it) and the front door's onto engines
+    (kvfold.serving.door_admission, committed + need <= capacity)."""
+    return [sequences * m.peak_blocks(prompt_tokens, end_tokens) for m in managers]

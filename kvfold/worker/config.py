@@ -7,25 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfold.checks import check_bool, check_index, check_int
+from kvfold.hosttier.layout import BlockLayout
 from kvfold.stats import Window, window_sort_key
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 DEVICES = ("auto", "cpu", "cuda")
-
-
-@dataclass(frozen=True, slots=True)
-class BlockLayout:
-    """The shape of a block's bytes: what the host tier checks before storing or serving."""
-
-    tokens_per_block: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    bytes_per_block: tuple[tuple[Window, int], ...]  # per window group, in window order
-
-    @property
-    def max_block_nbytes(self) -> int:
-        return max(n for _, n in self.bytes_per_block)
 
 
 @dataclass(frozen=True)

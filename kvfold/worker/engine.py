@@ -14,16 +14,16 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from kvfold.tickets import Ticket, as_ticket
 from kvfold.worker.cache import PagedKVCache
 from kvfold.worker.commitments import Policy, as_policy, declared_new_tokens
 from kvfold.worker.sequence import SeqId
-from kvfold.worker.tickets import Ticket, as_ticket
 
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """A request placed on this rank: its prompt, how many tokens it may generate, what
-    its admission promised, and the admitting controller's ticket (kvfold.worker.tickets)."""
+    its admission promised, and the admitting controller's ticket (kvfold.tickets)."""
 
     seq_id: SeqId
     prompt: Sequence[int] | np.ndarray

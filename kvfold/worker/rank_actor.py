@@ -18,8 +18,9 @@ from typing import Any
 
 import ray
 
-from kvfold.blockindex.events import RANK
-from kvfold.blockindex.feed import Snapshot
+from kvfold.hosttier.layout import BlockLayout
+from kvfold.kvevents.events import RANK
+from kvfold.kvevents.snapshot import Snapshot
 from kvfold.naming import node_actor_name
 from kvfold.ray_actor import BackgroundLoop, EventPublisher, named_actor, node_phase_s
 from kvfold.stats import (
@@ -30,15 +31,15 @@ from kvfold.stats import (
     Window,
     sum_deltas,
 )
+from kvfold.tickets import TicketBook, TicketLike, as_ticket
 from kvfold.topology import Topology
 from kvfold.worker.cache import PagedKVCache
-from kvfold.worker.config import BlockLayout, KVCacheConfig
+from kvfold.worker.config import KVCacheConfig
 from kvfold.worker.engine import Engine, EngineFactory
 from kvfold.worker.rank_calls_actor import RankCalls
 from kvfold.worker.remote_host_actor import HOST_TIMEOUT_S, RemoteHostTier
 from kvfold.worker.report_actor import MAX_INFLIGHT_REPORTS, RankReporter
 from kvfold.worker.storage_holder import storage_on_cpu
-from kvfold.worker.tickets import TicketBook, TicketLike, as_ticket
 
 __all__ = [
     "ACK_TIMEOUT_S",

@@ -18,11 +18,11 @@ import numpy as np
 
 from kvfold.ray_actor import BackgroundLoop
 from kvfold.stats import IterationStats, KVStats, SequenceStatus, Window
+from kvfold.tickets import TicketBook, TicketLike, as_ticket
 from kvfold.worker.cache import PagedKVCache
 from kvfold.worker.commitments import Policy, as_policy, declared_new_tokens
 from kvfold.worker.engine import Engine, StepResult, as_engine_request
 from kvfold.worker.sequence import SeqId
-from kvfold.worker.tickets import TicketBook, TicketLike, as_ticket
 
 
 class RankCalls:

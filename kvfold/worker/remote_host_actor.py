@@ -16,11 +16,11 @@ import ray
 from ray.exceptions import RayError
 
 from kvfold.errors import NodeUnavailable
+from kvfold.hosttier.layout import BlockLayout
 from kvfold.hosttier.packing import unpack_blocks
 from kvfold.ray_actor import InFlight
 from kvfold.stats import Window
 from kvfold.worker.cache import PagedKVCache
-from kvfold.worker.config import BlockLayout
 
 HOST_TIMEOUT_S = 2.0
 

@@ -24,9 +24,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfold.aggregator.fold import fold_node
-from kvfold.blockindex.events import RANK, BlockRemoved, BlockStored, Envelope, EventBatch
-from kvfold.blockindex.events import encode_envelope as encode_events
 from kvfold.codec import encode_node_report
+from kvfold.kvevents.events import RANK, BlockRemoved, BlockStored, Envelope, EventBatch
+from kvfold.kvevents.events import encode_envelope as encode_events
 from kvfold.stats import BlockDeltas, BlockGauges, RankReport, SequenceStatus
 from kvfold.topology import Topology
 

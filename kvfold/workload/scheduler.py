@@ -1,6 +1,6 @@
 """ReplayScheduler: one scheduler of a replay, with its own admission controller, its own
 FIFO queue and its own view refreshes. Pure (the view source is passed in); a replay
-runs one in its own process, or N in N Ray actors (kvfold.cluster.scheduler_actor).
+runs one in its own process, or N in N Ray actors (kvfold.replay.scheduler_actor).
 
 Each step it takes the requests dealt to it, learns which of its requests finished
 or were refused by their rank, and decides its queue's head in order:
@@ -39,7 +39,7 @@ Admit = tuple[Any, ...]  # (seq_id, prompt, max_new_tokens, salt, policy value, 
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """How a replay runs (kvfold.cluster.replay); importing it does not import Ray."""
+    """How a replay runs (kvfold.replay.trace_replay); importing it does not import Ray."""
 
     time_scale: float = 1.0
     step_interval_s: float = 0.05

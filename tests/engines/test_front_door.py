@@ -41,17 +41,17 @@ import ray
 from ray import serve
 
 from kvfold.cluster import launch, start_local_cluster
-from kvfold.cluster.engine_replica import engine_deployment
-from kvfold.cluster.front_door import FrontDoorApp, serve_front_door
-from kvfold.cluster.request_router import kvfold_router_config
+from kvfold.engines.engine_fleet import EngineFleet
 from kvfold.engines.vllm_metrics import parse_vllm_metrics
 from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port
 from kvfold.errors import DoorRefused
 from kvfold.serving.door_actor import start_door
 from kvfold.serving.door_admission import LEAST_LOADED
-from kvfold.serving.engine_fleet import EngineFleet
+from kvfold.serving.engine_replica import engine_deployment
+from kvfold.serving.front_door import FrontDoorApp, serve_front_door
 from kvfold.serving.openai_body import parse_chat, parse_completion
 from kvfold.serving.prompt_tokens import PromptTokenizer
+from kvfold.serving.request_router import kvfold_router_config
 from kvfold.serving.settings import FrontDoorSettings
 from tests.integration.conftest import wait_until
 

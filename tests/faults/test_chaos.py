@@ -104,7 +104,7 @@ def inject(cluster: Any, kv: Any, rnd: random.Random, log: list[str]) -> threadi
 
 
 def test_a_replay_keeps_going_through_faults_and_accounts_for_every_request(deployment) -> None:  # type: ignore[no-untyped-def]
-    from kvfold.cluster.replay import ReplayConfig, replay
+    from kvfold.replay.trace_replay import ReplayConfig, replay
     from kvfold.workload.requests import shared_prefix_workload
 
     cluster, kv = deployment

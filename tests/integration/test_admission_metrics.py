@@ -92,7 +92,7 @@ def _incarnation(kv, rank: int) -> int | None:  # type: ignore[no-untyped-def]
 
 
 def test_mooncake_replay_never_over_commits(kv, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from kvfold.cluster.replay import ReplayConfig, replay
+    from kvfold.replay.trace_replay import ReplayConfig, replay
     from kvfold.workload.traces import load_mooncake
 
     workload = load_mooncake(MOONCAKE, limit=150)
@@ -117,7 +117,7 @@ def test_a_replay_the_driver_cannot_keep_up_with_shows_gaps_and_counts_overruns(
 ) -> None:
     """A 1 ms step budget no driver meets and samples due every 0.01 trace s: every
     step overruns, and each stretch of trace time a step skipped is a gap."""
-    from kvfold.cluster.replay import ReplayConfig, replay
+    from kvfold.replay.trace_replay import ReplayConfig, replay
     from kvfold.workload.requests import shared_prefix_workload
 
     cfg = ReplayConfig(time_scale=50.0, step_interval_s=0.001, sample_interval_s=0.01)
@@ -134,7 +134,7 @@ def test_a_replay_the_driver_cannot_keep_up_with_shows_gaps_and_counts_overruns(
 
 
 def test_four_schedulers_in_four_processes_share_the_ranks(kv) -> None:  # type: ignore[no-untyped-def]
-    from kvfold.cluster.replay import ReplayConfig, replay
+    from kvfold.replay.trace_replay import ReplayConfig, replay
     from kvfold.workload.traces import load_mooncake
 
     before = sum(r.num_refused for n in kv.view().nodes for r in n.ranks)

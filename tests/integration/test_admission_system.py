@@ -218,7 +218,7 @@ def test_admissions_keep_their_promises_through_the_running_system(
 ) -> None:  # type: ignore[no-untyped-def]
     import ray
 
-    from kvfold.cluster.scheduler_actor import start_controllers
+    from kvfold.replay.scheduler_actor import start_controllers
 
     ids = [new_controller_id(f"model-{i}") for i in range(num_controllers)]  # new each run
     ctls = start_controllers(

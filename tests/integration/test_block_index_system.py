@@ -20,8 +20,8 @@ import ray
 from ray.exceptions import RayError
 
 from kvfold.aggregator.client import KVFoldClient
-from kvfold.blockindex.events import HOST, RANK
 from kvfold.errors import AggregatorUnavailable, NodeUnavailable, RankUnavailable
+from kvfold.kvevents.events import HOST, RANK
 from kvfold.naming import AGGREGATOR_NAME
 from tests.integration.conftest import running, wait_until
 from tests.unit.builders import make_config

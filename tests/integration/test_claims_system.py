@@ -247,7 +247,7 @@ def test_an_idle_cluster_admits_what_fits_whatever_the_controllers_and_windows(
 ) -> None:
     import ray
 
-    from kvfold.cluster.scheduler_actor import start_controllers
+    from kvfold.replay.scheduler_actor import start_controllers
 
     cfg = config(num_blocks)
     rebind(kv, cfg)

@@ -344,7 +344,7 @@ def test_controller_settings_reach_the_controller() -> None:
 def test_start_controllers_checks_its_arguments_before_any_ray_call(
     monkeypatch: pytest.MonkeyPatch, kwargs: dict, error: type, says: str
 ) -> None:  # type: ignore[type-arg]
-    from kvfold.cluster import scheduler_actor
+    from kvfold.replay import scheduler_actor
 
     class NoRay:
         def __getattr__(self, name: str) -> None:

@@ -34,10 +34,10 @@ from kvfold.admission import AdmissionController, AdmissionRequest, Decision, Ou
 from kvfold.admission.claims import Claim, ClaimDesk, ClaimNote
 from kvfold.aggregator.fold import RankRecord, fold_cluster, fold_node
 from kvfold.stats import RankReport
+from kvfold.tickets import TicketBook
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
 from kvfold.worker import PagedKVCache
-from kvfold.worker.tickets import TicketBook
 from tests.unit.builders import make_cache
 
 B = 4

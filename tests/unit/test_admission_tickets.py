@@ -8,10 +8,10 @@ import pytest
 from kvfold.admission import AdmissionController, AdmissionRequest, Outcome, Policy
 from kvfold.aggregator.fold import fold_cluster, fold_node
 from kvfold.stats import RankReport
+from kvfold.tickets import TicketBook
 from kvfold.topology import Topology
 from kvfold.view import ClusterView
 from kvfold.worker import PagedKVCache
-from kvfold.worker.tickets import TicketBook
 from tests.unit.builders import make_cache, toks
 from tests.unit.test_admission import make_view
 

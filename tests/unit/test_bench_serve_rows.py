@@ -5,7 +5,7 @@ import csv
 import json
 from pathlib import Path
 
-from kvfold.serving.bench_serve import (
+from kvfold.bench.bench_serve import (
     COLUMNS,
     REQUEST_COLUMNS,
     EngineCounters,
@@ -16,7 +16,7 @@ from kvfold.serving.bench_serve import (
     summarize,
     write_outputs,
 )
-from kvfold.serving.bench_trace import ServeRequest
+from kvfold.bench.bench_trace import ServeRequest
 
 
 def _requests(n: int) -> list[ServeRequest]:

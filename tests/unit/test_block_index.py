@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from kvfold.admission import AdmissionPolicy, AdmissionRequest, Outcome, Router
-from kvfold.blockindex.events import (
+from kvfold.blockindex.feed import IndexFeed, Replica
+from kvfold.blockindex.index import BlockIndex
+from kvfold.kvevents.events import (
     GPU,
     HOST,
     RANK,
@@ -25,9 +27,8 @@ from kvfold.blockindex.events import (
     encode_batch,
     encode_envelope,
 )
-from kvfold.blockindex.feed import IndexFeed, Replica, Snapshot
-from kvfold.blockindex.index import BlockIndex
-from kvfold.blockindex.journal import EventJournal
+from kvfold.kvevents.journal import EventJournal
+from kvfold.kvevents.snapshot import Snapshot
 from kvfold.topology import Topology
 from kvfold.worker.hashing import block_keys
 from tests.unit.test_admission import make_view

@@ -20,7 +20,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvfold.blockindex.events import (
+from kvfold.blockindex.feed import IndexFeed, Replica
+from kvfold.blockindex.index import BlockIndex, Source
+from kvfold.hosttier.packing import unpack_blocks
+from kvfold.hosttier.tier import HostTierServer
+from kvfold.kvevents.events import (
     HOST,
     RANK,
     Envelope,
@@ -28,10 +32,7 @@ from kvfold.blockindex.events import (
     decode_envelope,
     encode_envelope,
 )
-from kvfold.blockindex.feed import IndexFeed, Replica, Snapshot
-from kvfold.blockindex.index import BlockIndex, Source
-from kvfold.hosttier.packing import unpack_blocks
-from kvfold.hosttier.tier import HostTierServer
+from kvfold.kvevents.snapshot import Snapshot
 from kvfold.worker import PagedKVCache
 from tests.unit.builders import make_config
 

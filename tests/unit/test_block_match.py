@@ -15,8 +15,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfold.blockindex.events import HOST, RANK
 from kvfold.blockindex.index import BlockIndex
+from kvfold.kvevents.events import HOST, RANK
 from kvfold.stats import Window
 
 B = 4  # tokens per block

@@ -15,7 +15,6 @@ import msgpack
 import pytest
 import zmq
 
-from kvfold.blockindex.events import CPU, GPU, BlockStored
 from kvfold.engines.engine_source import EngineSource
 from kvfold.engines.sglang_metrics import parse_sglang_metrics
 from kvfold.engines.sglang_wire import (
@@ -29,6 +28,7 @@ from kvfold.engines.sglang_wire import (
 )
 from kvfold.engines.vllm_metrics import MetricsError
 from kvfold.engines.vllm_wire import EngineRemoved, EngineStored, WireError
+from kvfold.kvevents.events import CPU, GPU, BlockStored
 from kvfold.worker.hashing import block_keys
 from tests.engines.standins.process import StandInProcess
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvfold.blockindex.events import RANK, AllBlocksCleared, BlockStored, decode_batch
 from kvfold.blockindex.index import BlockIndex
 from kvfold.blockindex.prompt_match import match_prompt
 from kvfold.engines.engine_source import EngineSource
@@ -25,6 +24,7 @@ from kvfold.engines.vllm_wire import (
     decode_replay,
     replay_request,
 )
+from kvfold.kvevents.events import RANK, AllBlocksCleared, BlockStored, decode_batch
 from kvfold.worker.hashing import block_keys
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

@@ -5,10 +5,10 @@ while it is only stale or when its stream is newer than what the view shows."""
 from __future__ import annotations
 
 from kvfold.aggregator.fold import RankRecord, fold_cluster, fold_node
-from kvfold.blockindex.events import GPU, HOST, RANK, BlockStored, Envelope, EventBatch
 from kvfold.blockindex.feed import IndexFeed
 from kvfold.blockindex.index import BlockIndex, Source
 from kvfold.blockindex.liveness import Liveness, sources_gone
+from kvfold.kvevents.events import GPU, HOST, RANK, BlockStored, Envelope, EventBatch
 from kvfold.topology import Topology
 from kvfold.view import ClusterView, SourceState
 from tests.unit.builders import make_report

@@ -14,16 +14,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvfold.blockindex.events import (
-    CPU,
-    GPU,
-    HOST,
-    RANK,
-    BlockRemoved,
-    BlockStored,
-    Envelope,
-    EventBatch,
-)
 from kvfold.blockindex.feed import (
     NO_CURSOR,
     IndexFeed,
@@ -33,6 +23,16 @@ from kvfold.blockindex.feed import (
     shard_cursor,
 )
 from kvfold.blockindex.index import BlockIndex, Source
+from kvfold.kvevents.events import (
+    CPU,
+    GPU,
+    HOST,
+    RANK,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    EventBatch,
+)
 
 RANK_TO_NODE = [0, 0, 1, 1, 2, 2]
 SHARDS = (("rack-0", frozenset({0, 1})), ("rack-1", frozenset({2})))

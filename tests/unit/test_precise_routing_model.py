@@ -24,8 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvfold.admission import AdmissionPolicy, AdmissionRequest, Outcome, Router, blocks_needed
 from kvfold.admission.routing import RoutingWeights
-from kvfold.blockindex.events import HOST, RANK
 from kvfold.blockindex.feed import Replica
+from kvfold.kvevents.events import HOST, RANK
 from kvfold.stats import Window
 from kvfold.topology import Topology
 from kvfold.worker.commitments import Policy

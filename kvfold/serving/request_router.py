@@ -8,7 +8,7 @@ admission and routing by naming it in their deployment's RequestRouterConfig.
 The door (kvfold.serving.door_actor) must be running in that namespace: `start_door(settings)`
 or `serve_front_door(settings)` starts it. Each replica must say which engine rank it fronts
 in its routing stats (`record_routing_stats() -> {"kvfold_rank": i}`), as
-kvfold.cluster.engine_replica.EngineReplica does.
+kvfold.serving.engine_replica.EngineReplica does.
 
 What the router reads of a request: the first argument of the handle call, or the second
 when the first is a path string (EngineReplica.generate(path, body)), an OpenAI body with a

@@ -1,7 +1,7 @@
 """Engines deployed as Ray Serve replicas, the way Ray Serve users already run them: replica
 i of `EngineReplica` fronts engine i (its OpenAI server). With Serve's default router this
 is the baseline `kvfold bench-serve` measures kvfold against; with kvfold's RequestRouter
-(kvfold.cluster.request_router) the same deployment gains kvfold's admission and routing.
+(kvfold.serving.request_router) the same deployment gains kvfold's admission and routing.
 
     EngineReplica              the deployment: HTTP routes (/v1/completions, ...) and, for
                                deployment handles, generate(path, body)
@@ -18,7 +18,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from ray import serve
 
-from kvfold.cluster.serve_loopback import keep_replica_grpc_on_node_address
 from kvfold.serving.forward import (
     EngineFailed,
     error_body,
@@ -27,6 +26,7 @@ from kvfold.serving.forward import (
     post_json,
     relayed,
 )
+from kvfold.serving.serve_loopback import keep_replica_grpc_on_node_address
 from kvfold.serving.settings import STREAM_INTERVAL_S
 
 keep_replica_grpc_on_node_address()  # imported with the deployment, before its replica serves

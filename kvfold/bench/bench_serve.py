@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfold.bench.bench_trace import ServeRequest
 from kvfold.engines.vllm_metrics import parse_vllm_metrics
-from kvfold.serving.bench_trace import ServeRequest
 
 ARMS = ("round_robin", "serve_default", "least_loaded", "precise_prefix")
 COLUMNS = (
@@ -159,8 +159,8 @@ async def replay_http(
                         if b'"error"' in line:
                             o.error = line[:200].decode(errors="replace")
                     o.e2e_s = time.monotonic() - sent
-            except Exception as e:
-                o.error = repr(e)[:200]
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+                o.error = repr(e)[:200]  # no answer, a cut stream, or a header not a number
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
     return out

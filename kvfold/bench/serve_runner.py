@@ -1,7 +1,7 @@
 """`kvfold bench-serve`'s run: it starts what it measures on this machine (N vLLM engines
 from the engine virtualenv, an embedded Ray cluster, kvfold with the engines as ranks, Ray
 Serve with the engines as replicas for the baseline, kvfold's front door), runs each arm
-(kvfold.serving.bench_serve) and stops them all. The CLI (kvfold.cli_serve) parses.
+(kvfold.bench.bench_serve) and stops them all. The CLI (kvfold.cli_serve) parses.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import argparse
 import time
 from typing import Any
 
-from kvfold.serving.bench_trace import ServeRequest
+from kvfold.bench.bench_trace import ServeRequest
 
 
 def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeRequest]) -> int:
     """Start the engines, kvfold and Serve, run each arm, print and write the results."""
+    from kvfold.engines.engine_fleet import EngineFleet
     from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port
-    from kvfold.serving.engine_fleet import EngineFleet
 
     settings = VLLMServerSettings(
         python=args.engine_python, model_dir=args.model_dir, num_gpu_blocks=args.blocks,
@@ -33,9 +33,9 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
         print(f"engines up in {time.monotonic() - t0:.1f} s", flush=True)
         from ray import serve
 
-        from kvfold.cluster.engine_replica import engine_deployment
-        from kvfold.cluster.front_door import serve_front_door, start_serve
-        from kvfold.serving.bench_serve import format_table, request_rows, run_arm, write_outputs
+        from kvfold.bench.bench_serve import format_table, request_rows, run_arm, write_outputs
+        from kvfold.serving.engine_replica import engine_deployment
+        from kvfold.serving.front_door import serve_front_door, start_serve
         from kvfold.serving.settings import FrontDoorSettings
 
         kv = launch(args.engines, args.engines, engines=fleet.endpoints, dead_after_s=5.0)

@@ -28,8 +28,8 @@ from ray.exceptions import ActorDiedError, RayError
 from kvfold.admission import Policy
 from kvfold.blockindex.feed import Replica
 from kvfold.cluster.handle import KVFold
-from kvfold.cluster.scheduler_actor import start_schedulers
 from kvfold.errors import KVFoldError
+from kvfold.replay.scheduler_actor import start_schedulers
 from kvfold.view import ClusterView
 from kvfold.worker.engine import StepResult
 from kvfold.worker.hashing import block_keys

@@ -2,7 +2,7 @@
 
 A block pool (or a host tier) tells the journal each key it makes reusable, in runs
 with the run's parent, and each key it drops. `drain()` hands out the net change as
-vLLM-shaped events (kvfold.blockindex.events), compacted:
+vLLM-shaped events (kvfold.kvevents.events), compacted:
 
     stored then removed within one batch    -> nothing
     removed then stored again               -> nothing (the index already holds it)
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvfold.blockindex.events import (
+from kvfold.kvevents.events import (
     GPU,
     AllBlocksCleared,
     BlockHash,

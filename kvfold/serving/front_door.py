@@ -18,6 +18,7 @@ HTTP statuses of the door's own: 400 (a body it cannot count, a prompt no engine
 502 (the engine failed; the message names it), 503 (no door, or no engine fresh).
 """
 
+import asyncio
 import json
 import logging
 import time
@@ -27,12 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from kvfold.cluster.serve_loopback import keep_replica_grpc_on_node_address
 from kvfold.serving.door_actor import DoorActor, get_door, start_door
 from kvfold.serving.door_answers import Admitted, NotAdmitted
 from kvfold.serving.forward import (
@@ -45,6 +46,7 @@ from kvfold.serving.forward import (
 )
 from kvfold.serving.openai_body import BadRequest, OpenAIRequest, parse_chat, parse_completion
 from kvfold.serving.prompt_tokens import PromptTokenizer
+from kvfold.serving.serve_loopback import keep_replica_grpc_on_node_address
 from kvfold.serving.settings import FrontDoorSettings
 
 log = logging.getLogger("kvfold")
@@ -140,7 +142,7 @@ class FrontDoor:
             try:
                 async with self._http().get(url + "/v1/models") as r:
                     return _json(r.status, await r.read())
-            except Exception:  # that engine is down: ask the next
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):  # down: ask the next
                 continue
         return _json(503, error_body("no engine answered /v1/models", "unavailable", 503))
 
@@ -148,7 +150,7 @@ class FrontDoor:
     async def health(self) -> Response:
         try:
             stats = await self.door.stats()
-        except Exception as e:
+        except ray.exceptions.RayError as e:  # the door actor died, or is not up yet
             return _json(503, error_body(f"the door does not answer: {e!r}", "unavailable", 503))
         live = [r for r, e in stats["engines"].items() if e["live"]]
         status = 200 if live else 503
@@ -171,7 +173,8 @@ class FrontDoor:
     ) -> Response:
         try:
             return await self._serve_one(request, path, parse)
-        except Exception as e:  # a fault of kvfold's own: said, never a bare 500
+        except Exception as e:  # the request's boundary: a fault of kvfold's own, whatever
+            # it is, is answered as a 500 that names it (Serve's own would say nothing)
             log.exception("kvfold front door: %s failed", path)
             return _json(500, error_body(f"kvfold front door: {e!r}", "internal_error", 500))
 
@@ -180,7 +183,7 @@ class FrontDoor:
     ) -> Response:
         try:
             body = await request.json()
-        except Exception as e:
+        except ValueError as e:  # not JSON, or not UTF-8 (both ValueErrors)
             return _json(400, error_body(f"body: not JSON ({e})", "invalid_request_error", 400))
         try:
             req = parse(body)

@@ -1,7 +1,7 @@
 """`kvfold compare TRACE`: one trace, one cluster shape, every router, side by side.
 
 Each router gets a kvfold launched afresh on the same embedded cluster (empty caches,
-empty host tiers) and the same replay (kvfold.cluster.replay); the table puts what
+empty host tiers) and the same replay (kvfold.replay.trace_replay); the table puts what
 each achieved beside what the cluster held when the requests arrived and beside two
 references that need no cluster (kvfold.workload.references).
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from kvfold.admission.routing import Router
 from kvfold.cluster.handle import KVFold
-from kvfold.cluster.replay import replay
+from kvfold.replay.trace_replay import replay
 from kvfold.workload.recorder import ReplayRecorder
 from kvfold.workload.requests import TraceRequest
 from kvfold.workload.scheduler import ReplayConfig
