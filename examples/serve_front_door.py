@@ -48,7 +48,7 @@ engines = EngineFleet(
 )
 try:
     engines.start()
-    print(f"{args.engines} vLLM engines serving at {', '.join(engines.urls)}")
+    print(f"vLLM engines serving at {', '.join(engines.urls)}")
     # kvfold reads each engine's KV events and /metrics: engine i is rank i
     kv = launch(args.engines, args.engines, engines=engines.endpoints)
 

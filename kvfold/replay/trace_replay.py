@@ -211,11 +211,9 @@ class _Replay:
                 if admits.get(r):  # decided on a view that did not know yet
                     self._lose(r, "rank_gone")
                 continue
-            if r in self.unanswered:
-                if not ray.wait([self.unanswered[r]], timeout=0)[0]:
-                    self._lose(r, "rank_not_answering")
-                    continue
-                del self.unanswered[r]  # answered at last: what it carried was given up
+            if r in self.unanswered and not self._answered(r, h):
+                self._lose(r, "rank_not_answering")
+                continue
             calls[r] = h.engine_step.remote(
                 admits.get(r, []), decode, drain_first=r in self.to_drain, now_s=trace_now
             )
@@ -236,6 +234,9 @@ class _Replay:
                 continue
             except RayError as e:
                 self._lose(r, f"rank_call_failed:{type(e).__name__}")
+                # stepped again once it answers a ping: a rank that cannot come back yet
+                # (restarting, its node gone) must not hold every step for the timeout
+                self.unanswered[r] = h.ping.remote()
                 continue
             self.to_drain.discard(r)
             if self.incarnation.get(r, res.incarnation) != res.incarnation:
@@ -243,6 +244,23 @@ class _Replay:
                 self._lose(r, "rank_restarted", keep=keep, cleared=True)
             self.incarnation[r] = res.incarnation
             self._account(res, trace_now)
+
+    def _answered(self, r: int, handle: Any) -> bool:
+        """Whether rank `r`, whose last call is still out or failed, answered it now (then
+        it is stepped again; what that call carried was given up). A failed answer sends
+        a ping in its place, and the rank waits for that one."""
+        ref = self.unanswered[r]
+        if not ray.wait([ref], timeout=0)[0]:
+            return False
+        try:
+            ray.get(ref)
+        except ActorDiedError:
+            pass  # stepped, it says so, and is counted gone
+        except RayError:
+            self.unanswered[r] = handle.ping.remote()
+            return False
+        del self.unanswered[r]
+        return True
 
     def _account(self, res: StepResult, trace_now: float) -> None:
         rec = self.rec
