@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(BIN)/kvfold demo
 
 test: $(STAMP) $(ENGINE_STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvfold tests examples benchmarks
