@@ -67,6 +67,14 @@ class EngineIntake:
         with self.lock:
             self.pending += take(self.source, answer, now_s)
 
+    def tail_from(self) -> int | None:
+        """Where a probe of a quiet stream's replay starts, or None (a gap is open, or
+        the kind has no replay)."""
+        if self.kind.take_replay is None:
+            return None
+        with self.lock:
+            return self.source.tail_from()
+
     def replay_failed(self, now_s: float) -> None:
         """No replay, or it did not answer in time: what was missed is lost."""
         with self.lock:

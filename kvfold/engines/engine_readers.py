@@ -4,7 +4,10 @@ from construction until stop().
 
     ZmqReader          a SUB socket bound on loopback (the engine's PUB connects); on a
                        gap, a DEALER asks the engine's replay ROUTER from the first
-                       missing seq, and takes every answer up to the end marker
+                       missing seq, and takes every answer up to the end marker; when
+                       the stream has been quiet TAIL_PROBE_S, it asks from the next seq
+                       expected, so a lost last batch (nothing after it shows a gap: the
+                       first ones, sent before the subscription took) is found
     HttpEventsPoller   POST {events}/kv_cache_events every interval (each answer drains
                        the engine's event queue), once the intake can read pages
 
@@ -27,6 +30,7 @@ from kvfold.engines.engine_intake import EngineIntake
 from kvfold.engines.vllm_wire import END_SEQ, replay_request
 
 REPLAY_TIMEOUT_S = 2.0
+TAIL_PROBE_S = 2.0  # of quiet on the live stream, between probes of the replay's tail
 EVENTS_TIMEOUT_S = 2.0
 POLL_MS = 50
 MAX_PAGE_BYTES = 16 * 1024 * 1024
@@ -49,9 +53,14 @@ class ZmqReader:
     def _read(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
+        quiet_since = time.monotonic()
         while not self._stop.is_set():
             if not poller.poll(POLL_MS):
+                if time.monotonic() - quiet_since >= TAIL_PROBE_S:
+                    self._probe_tail()
+                    quiet_since = time.monotonic()
                 continue
+            quiet_since = time.monotonic()
             while True:
                 try:
                     frames = self._sub.recv_multipart(zmq.NOBLOCK)
@@ -63,10 +72,28 @@ class ZmqReader:
 
     def _replay(self, start_seq: int) -> None:
         """Ask the engine's replay socket for what was lost, from `start_seq` on."""
+        answer = self._ask_replay(start_seq)
+        if answer is None:
+            self.intake.replay_failed(time.monotonic())
+        else:
+            self.intake.take_replay(answer, time.monotonic())
+
+    def _probe_tail(self) -> None:
+        """A quiet stream: ask the replay for anything from the next seq expected (no
+        answer changes nothing)."""
+        start = self.intake.tail_from()
+        if start is None or self.endpoints.replay is None:
+            return
+        answer = self._ask_replay(start)
+        if answer is not None:
+            self.intake.take_replay(answer, time.monotonic())
+
+    def _ask_replay(self, start_seq: int) -> list[list[bytes]] | None:
+        """The replay's whole answer from `start_seq`, up to its end marker; None when
+        there is no replay socket or it did not answer in time."""
         now = time.monotonic
         if self.endpoints.replay is None:
-            self.intake.replay_failed(now())
-            return
+            return None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         answer: list[list[bytes]] = []
@@ -83,10 +110,7 @@ class ZmqReader:
                     break
         finally:
             dealer.close()
-        if answer and answer[-1][-2:-1] == [_END]:
-            self.intake.take_replay(answer, now())
-        else:
-            self.intake.replay_failed(now())
+        return answer if answer and answer[-1][-2:-1] == [_END] else None
 
     def stop(self) -> None:
         self._stop.set()

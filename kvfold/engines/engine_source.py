@@ -20,6 +20,10 @@ The stream's sequence numbers start at 0 per engine process:
     the replay cannot fill   out of sync (DESIGN §10): the source's entries leave the
     the gap                  index (AllBlocksCleared) and come back only as the engine
                              stores blocks again; `out_of_sync_since_s` says since when
+    a quiet stream's tail    batches the live stream lost with nothing after them to show
+                             a gap (the first ones, sent before the subscription took):
+                             the shell asks the replay from `tail_from()` when the stream
+                             has been quiet a while, and what it answers is applied in order
 
 Bad engine output (kvfold.engines.vllm_wire.WireError) is refused, counted by reason,
 and changes nothing. The live set (content keys held per window group, counted per
@@ -137,16 +141,30 @@ class EngineSource:
             got.append(batch)
         return self.take_replay_batches(got, now_s)
 
+    def tail_from(self) -> int | None:
+        """Where a probe of a quiet stream's replay starts (the next seq expected; 0
+        before any batch), or None while a gap is open (its own replay is asked)."""
+        return None if self.kept else (self.expected or 0)
+
     def take_replay_batches(self, batches: Iterable[EngineBatch], now_s: float) -> list[Event]:
         """A replay's batches, decoded (any engine's replay): the missing ones are applied
         in order; if the replay no longer holds the first of them, the source is out of
-        sync."""
+        sync. With no gap open, the answer to a tail probe: the batches from the next
+        expected on, which the live stream lost (none, usually)."""
         got = list(batches)
-        if self.expected is None or not self.kept:
+        if not self.kept:
+            got = [b for b in got if self.expected is None or b.seq >= self.expected]
+            if not got:
+                return []
+            if self.expected is None:
+                self.expected = 0
+            self.counts["tail_recovered"] += len(got)
+        expected = self.expected
+        if expected is None:  # a gap is open only once a batch came
             return []
         self.counts["replayed"] += len(got)
         for batch in got:
-            if batch.seq >= self.expected:
+            if batch.seq >= expected:
                 self.kept.setdefault(batch.seq, batch)
                 self.replayed[batch.seq] = batch.ts
         if self.expected not in self.kept:

@@ -90,12 +90,16 @@ class BlockPool:
         """`attach` each block (a run of prefix hits), in one pass."""
         refs = self.ref_counts
         evictable = self.evictable
-        for b in blocks:
-            r = refs[b]
-            if r == 0:
-                del evictable[b]
-                self.num_used += 1
-            refs[b] = r + 1
+        revived = 0
+        try:
+            for b in blocks:
+                r = refs[b]
+                if r == 0:
+                    del evictable[b]
+                    revived += 1
+                refs[b] = r + 1
+        finally:  # counted once, off the per-block path (and right if a block id was bad)
+            self.num_used += revived
 
     def take(self, n: int) -> list[int] | None:
         """Give out `n` blocks with ref_count 1, or None (nothing changed) if short.
@@ -187,15 +191,20 @@ class BlockPool:
         """
         refs = self.ref_counts
         keys = self.block_keys
-        for b in blocks:
-            r = refs[b] - 1
-            refs[b] = r
-            if r == 0:
-                self.num_used -= 1
-                if keys[b] is None:
-                    self.free_unkeyed.append(b)
-                else:
-                    self.evictable[b] = None
+        free, evictable = self.free_unkeyed, self.evictable
+        freed = 0
+        try:
+            for b in blocks:
+                r = refs[b] - 1
+                refs[b] = r
+                if r == 0:
+                    freed += 1
+                    if keys[b] is None:
+                        free.append(b)
+                    else:
+                        evictable[b] = None
+        finally:
+            self.num_used -= freed
 
     def check_integrity(self, expected_refs: list[int] | None = None) -> None:
         """Raise IntegrityError with the numbers when a state breaks."""

@@ -140,6 +140,34 @@ def test_live_batches_the_replay_already_gave_are_duplicates_not_a_restart() -> 
     assert source.counts["restarts"] == 1
 
 
+def test_lost_last_batches_are_found_by_probing_a_quiet_streams_tail() -> None:
+    """Batches lost with nothing after them show no gap (the first ones an engine sends
+    before the subscription took, say): the reader asks the replay from `tail_from()` when
+    the stream has been quiet, and what it gives is applied in order; their live copies,
+    should they come after all, are duplicates, not a restart."""
+    source, index = EngineSource(), BlockIndex([0])
+    last = TRUTH["last_seq"]
+    feed(source, index, LIVE[:5])  # 5..19 lost, and nothing after them
+    assert source.wanted_replay() is None and source.tail_from() == 5
+    index.apply(SOURCE, source.take_replay(REPLAY, 3.0))  # the probe's answer: 5..19
+    assert index.keys_of(SOURCE)[0] == final_keys()
+    assert source.counts["tail_recovered"] == last + 1 - 5 and source.tail_from() == last + 1
+    feed(source, index, LIVE[7:9])
+    assert source.counts["duplicates"] == 2 and source.counts["restarts"] == 0
+
+
+def test_probing_a_tail_that_lost_nothing_changes_nothing() -> None:
+    source, index = EngineSource(), BlockIndex([0])
+    assert source.tail_from() == 0  # before any batch: from the first
+    assert source.take_replay([REPLAY[-1]], 1.0) == []  # the end marker alone
+    assert source.tail_from() == 0 and source.expected is None
+    feed(source, index, LIVE[: TRUTH["last_seq"] + 1])
+    before = dict(source.counts)
+    assert source.take_replay(REPLAY, 2.0) == []  # all of it already applied
+    assert dict(source.counts) == before and source.out_of_sync_since_s is None
+    assert index.keys_of(SOURCE)[0] == final_keys()
+
+
 def test_a_gap_the_replay_no_longer_covers_leaves_no_false_credit() -> None:
     source, index = EngineSource(), BlockIndex([0])
     feed(source, index, LIVE[:5])
