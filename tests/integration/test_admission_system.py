@@ -235,7 +235,7 @@ def test_admissions_keep_their_promises_through_the_running_system(
         counts = ray.get([c.counts.remote() for c in ctls])
         assert {(c["router"], c["sent_ttl_s"]) for c in counts} == {("precise_prefix", 0.5)}
         run = Run(kv, ctls, policy, seed=1000 * num_controllers + len(policy.value))
-        run.play(steps=160)
+        run.play(steps=120)
     finally:
         for c in ctls:
             ray.kill(c)

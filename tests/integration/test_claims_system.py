@@ -266,10 +266,10 @@ def test_an_idle_cluster_admits_what_fits_whatever_the_controllers_and_windows(
         # the requests first: 8 prompt tokens and 4 new, on each controller
         for _ in range(num_controllers):
             run.admit_when_idle(AdmissionRequest(f"first{run.rnd.getrandbits(30)}", 8, 4))
-        run.play(steps=80)
+        run.play(steps=60)
         run.go_idle()
         tried = 0
-        while tried < 6:
+        while tried < 4:
             r = run.request()
             if run.fits_an_empty_rank(r):
                 run.admit_when_idle(r)
