@@ -201,7 +201,7 @@ class Scheduler:
                 self.grow()
             elif op < 0.92:
                 self.release()
-            else:
+            else:  # the scheduler looks away: the operation itself, not a wait
                 time.sleep(self.rnd.choice(RETRY_PACES_S))
 
     def go_idle(self) -> None:
@@ -217,20 +217,18 @@ class Scheduler:
             self.kv.rank(r).check_integrity()
 
     def admit_when_idle(self, request: AdmissionRequest) -> None:
-        """Decide `request` again at a random pace until it is admitted; place it."""
+        """Decide `request` again at a random pace (the scheduler's, the condition's poll)
+        until it is admitted; place it."""
         k = self.rnd.randrange(len(self.ctls))
         pace = self.rnd.choice(RETRY_PACES_S)
         start = time.monotonic()
-        d = self.decide(k, request)
-        while d.outcome is not Outcome.ADMIT:
-            assert d.outcome is Outcome.QUEUE, d
-            waited = time.monotonic() - start
-            assert waited < IDLE_ADMIT_TIMEOUT_S, (
-                f"{request} fits an empty rank but was not admitted on an idle cluster in "
-                f"{waited:.1f} s, decided every {pace} s: last {d}"
-            )
-            time.sleep(pace)
+
+        def admitted() -> Decision | None:
             d = self.decide(k, request)
+            assert d.outcome is not Outcome.REJECT, d
+            return d if d.outcome is Outcome.ADMIT else None
+
+        d = wait_until(admitted, timeout_s=IDLE_ADMIT_TIMEOUT_S, interval_s=pace)
         self.idle_waits_s.append(time.monotonic() - start)
         assert self.deliver() == request.request_id, f"an idle rank refused {request}: {d}"
         self.go_idle()
