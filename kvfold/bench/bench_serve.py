@@ -3,8 +3,11 @@ engines, four ways in one run, judged by the engines' own counters and the clien
 
     round_robin     straight to the engines, in turn, no admission
     serve_default   the engines as Ray Serve replicas behind Serve's proxy and its default
-                    router (power of two choices); Serve's LLM prefix router needs GPU builds
-                    of vLLM (`ray[llm]`) and cannot run on these machines
+                    router (power of two choices)
+    vllm_router_p2c, vllm_router_cache_aware, vllm_router_kv_aware
+                    vllm-router (the vLLM project's Rust router) in front of the engines:
+                    power of two choices; its prefix tree of the token ids it sent; its
+                    block index fed by the engines' own KV events
     least_loaded    kvfold's front door, least committed engine
     precise_prefix  kvfold's front door, by what each engine holds (the block index)
 
@@ -34,7 +37,15 @@ from typing import Any
 from kvfold.bench.bench_trace import ServeRequest
 from kvfold.engines.vllm_metrics import parse_vllm_metrics
 
-ARMS = ("round_robin", "serve_default", "least_loaded", "precise_prefix")
+ARMS = (
+    "round_robin",
+    "serve_default",
+    "vllm_router_p2c",
+    "vllm_router_cache_aware",
+    "vllm_router_kv_aware",
+    "least_loaded",
+    "precise_prefix",
+)
 COLUMNS = (
     "arm",
     "requests",

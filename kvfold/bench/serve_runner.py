@@ -1,34 +1,72 @@
 """`kvfold bench-serve`'s run: it starts what it measures on this machine (N vLLM engines
 from the engine virtualenv, an embedded Ray cluster, kvfold with the engines as ranks, Ray
-Serve with the engines as replicas for the baseline, kvfold's front door), runs each arm
-(kvfold.bench.bench_serve) and stops them all. The CLI (kvfold.cli_serve) parses.
+Serve with the engines as replicas for the baseline, vllm-router from its own virtualenv,
+kvfold's front door), runs each arm (kvfold.bench.bench_serve) and stops them all. The CLI
+(kvfold.cli_serve) parses.
+
+With a vllm-router kv_aware arm, the engines' KV events pass through a relay
+(kvfold.bench.event_relay) so that kvfold's ranks and the router read the same stream.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import time
+from pathlib import Path
 from typing import Any
 
 from kvfold.bench.bench_trace import ServeRequest
+
+VLLM_ROUTER_ARMS = {
+    "vllm_router_p2c": "power_of_two",
+    "vllm_router_cache_aware": "cache_aware",
+    "vllm_router_kv_aware": "kv_aware",
+}
+
+
+def engine_settings(args: argparse.Namespace) -> Any:
+    """The engines' settings: KV of `--blocks` blocks, a context of `--max-model-len`
+    (beyond the model's own max_position_embeddings through --hf-overrides)."""
+    from kvfold.engines.vllm_server import VLLMServerSettings
+
+    config = json.loads((Path(args.model_dir) / "config.json").read_text())
+    extra: tuple[str, ...] = ()
+    if args.max_model_len > int(config.get("max_position_embeddings", 0)):
+        extra = ("--hf-overrides", json.dumps({"max_position_embeddings": args.max_model_len}))
+    return VLLMServerSettings(
+        python=args.engine_python, model_dir=args.model_dir, num_gpu_blocks=args.blocks,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, extra_args=extra,
+    )  # fmt: skip
 
 
 def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeRequest]) -> int:
     """Start the engines, kvfold and Serve, run each arm, print and write the results."""
     from kvfold.engines.engine_fleet import EngineFleet
-    from kvfold.engines.vllm_server import VLLMServerSettings, free_loopback_port
+    from kvfold.engines.vllm_server import free_loopback_port
 
-    settings = VLLMServerSettings(
-        python=args.engine_python, model_dir=args.model_dir, num_gpu_blocks=args.blocks,
-        max_num_seqs=args.max_num_seqs, max_model_len=1024,
-    )  # fmt: skip
-    fleet = EngineFleet(settings, args.engines)
+    fleet = EngineFleet(engine_settings(args), args.engines)
+    relay = None
+    endpoints = fleet.endpoints
+    if "vllm_router_kv_aware" in arms:
+        import dataclasses
+
+        from kvfold.bench.event_relay import EventRelay
+
+        relay = EventRelay([e.events for e in fleet.endpoints])
+        relay.start()
+        endpoints = [
+            dataclasses.replace(e, events=p.to_kvfold)
+            for e, p in zip(fleet.endpoints, relay.ports, strict=True)
+        ]
     from kvfold.cluster import launch, start_local_cluster
 
     cluster = start_local_cluster(num_nodes=1, gpus_per_node=args.engines)
     try:
         t0 = time.monotonic()
         print(f"starting {args.engines} vLLM engines ...", flush=True)
+        print("  engine: " + shlex.join(fleet.servers[0].command()), flush=True)
         fleet.start()
         print(f"engines up in {time.monotonic() - t0:.1f} s", flush=True)
         from ray import serve
@@ -38,13 +76,14 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
         from kvfold.serving.front_door import serve_front_door, start_serve
         from kvfold.serving.settings import FrontDoorSettings
 
-        kv = launch(args.engines, args.engines, engines=fleet.endpoints, dead_after_s=5.0)
+        kv = launch(args.engines, args.engines, engines=endpoints, dead_after_s=5.0)
         port = free_loopback_port()
         start_serve(http_port=port)
         proxy = f"http://127.0.0.1:{port}"
         urls = fleet.urls
         model = "tiny-llama"
         rows, per_request = [], []
+        commands: dict[str, str] = {}
         for arm in arms:
             print(f"== {arm}: {len(requests)} requests", flush=True)
             if arm == "round_robin":
@@ -53,6 +92,20 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
                 serve.run(engine_deployment(urls), name="engines", route_prefix="/engines")
                 row, seen = run_arm(arm, requests, urls, lambda i: proxy + "/engines", model)
                 serve.delete("engines")
+            elif arm in VLLM_ROUTER_ARMS:
+                from kvfold.bench.vllm_router import VllmRouter
+
+                sources = [p.outlet for p in relay.ports] if relay is not None else []
+                router = VllmRouter(
+                    args.router_bin, VLLM_ROUTER_ARMS[arm], urls, kv_event_sources=sources,
+                    model=model,
+                )  # fmt: skip
+                commands[arm] = shlex.join(router.command())
+                print(f"  {commands[arm]}", flush=True)
+                with router:
+                    row, seen = run_arm(arm, requests, urls, _constant(router.url), model)
+                    row["router_metrics"] = router_counters(router.metrics_text())
+                    print(f"  router: {row['router_metrics']}", flush=True)
             else:
                 door = serve_front_door(
                     FrontDoorSettings(
@@ -70,8 +123,12 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
             rows.append(row)
             per_request += request_rows(arm, requests, seen)
         meta = {k: v for k, v in vars(args).items() if k != "fn"}
+        meta["engine_command"] = shlex.join(fleet.servers[0].command())
+        meta["anchor_commands"] = commands
         print()
         print(format_table(rows))
+        for arm, cmd in commands.items():
+            print(f"{arm}: {cmd}")
         for path in write_outputs(rows, meta, args.out, per_request):
             print(f"wrote {path}")
         return 0
@@ -83,10 +140,30 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
         finally:
             cluster.shutdown()
             fleet.stop()
+            if relay is not None:
+                relay.stop()
+
+
+def router_counters(page: str) -> dict[str, float]:
+    """vllm-router's own counters that say how it routed (its Prometheus page): every
+    sample whose name speaks of prefixes, cache or KV, summed over labels."""
+    out: dict[str, float] = {}
+    for line in page.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if not any(w in name for w in ("prefix", "cache", "kv_", "credited", "lookup")):
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
 
 
 def _constant(url: str) -> Any:
     return lambda i: url
 
 
-__all__ = ["run_bench"]
+__all__ = ["VLLM_ROUTER_ARMS", "engine_settings", "router_counters", "run_bench"]

@@ -127,7 +127,7 @@ class VLLMServer:
             if s.replay_endpoint is not None:
                 events["replay_endpoint"] = s.replay_endpoint
             cmd += ["--kv-events-config", json.dumps(events)]
-        return cmd
+        return cmd + list(s.extra_args)
 
     def environment(self) -> dict[str, str]:
         """This process's environment, without PYTHONHASHSEED (it would change vLLM's hash

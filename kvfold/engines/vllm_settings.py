@@ -50,6 +50,8 @@ class VLLMServerSettings:
     # the engine tokenizes text (its model_dir's tokenizer files); None: when they are there
     tokenizer: bool | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)  # applied last
+    # more of vLLM's flags, appended as given (e.g. --hf-overrides for a longer context)
+    extra_args: tuple[str, ...] = ()
     log_path: str | None = None  # None: a new temporary file
 
     def __post_init__(self) -> None:
