@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import random
 import signal
 import socket
@@ -372,6 +373,57 @@ def _command(p: psutil.Process) -> str:
         return f"{p.name()} {' '.join(p.cmdline())}"
     except psutil.Error:
         return ""
+
+
+def test_a_small_bench_serve_runs_kvfold_beside_vllm_router_on_the_same_engines(
+    door: Door,
+) -> None:
+    """bench-serve's arms keep working: the same requests (two prompts sharing a prefix of
+    3 blocks, sent one after another) behind vllm-router's cache_aware and behind kvfold's
+    front door, each from empty caches, judged by the engines' counters. The router listens
+    on loopback only."""
+    from kvfold.bench.bench_serve import run_arm
+    from kvfold.bench.bench_trace import ServeRequest
+    from kvfold.bench.vllm_router import VllmRouter
+
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 1000) for _ in range(3 * B)]
+    requests = [
+        ServeRequest(
+            f"r{i}", 1.5 * i, tuple(shared + [rng.randrange(3, 1000) for _ in range(8)]), 4
+        )
+        for i in range(4)
+    ]
+    urls = door.fleet.urls
+    binary = str(
+        pathlib.Path(__file__).resolve().parents[2] / ".venv-router" / "bin" / "vllm-router"
+    )
+    router = VllmRouter(binary, "cache_aware", urls, model="tiny-llama")
+    assert "0.0.0.0" not in router.command()
+    with router:
+        listening = [
+            c.laddr.ip
+            for p in [
+                psutil.Process(router._proc.pid),
+                *psutil.Process(router._proc.pid).children(True),
+            ]
+            for c in p.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        row, seen = run_arm(
+            "vllm_router_cache_aware", requests, urls, lambda i: router.url, "tiny-llama"
+        )
+    assert listening and set(listening) <= set(LOOPBACK), listening
+    door_row, door_seen = run_arm(
+        "precise_prefix", requests, urls, lambda i: door.app.url, "tiny-llama"
+    )
+    for r, outcomes in ((row, seen), (door_row, door_seen)):
+        assert (r["completed"], r["failed"], r["refused_429"]) == (4, 0, 0), (r, outcomes)
+        assert r["preemptions"] == 0, r
+        # later prompts find the shared 3 blocks where they were sent (round robin over 3
+        # engines: once)
+        assert r["cached_tokens"] >= 2 * 3 * B, r
+    assert {o.engine for o in door_seen} and all(o.ttft_s for o in door_seen)
 
 
 def test_nothing_the_front_door_starts_listens_beyond_loopback(door: Door) -> None:
