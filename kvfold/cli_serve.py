@@ -44,6 +44,9 @@ def bench_serve_parser(sub: Any) -> None:
     b.add_argument("--max-num-seqs", type=int, default=8)
     b.add_argument("--prefix-weight", type=float, default=1.0,
                    help="precise_prefix: blocks to prefill against blocks held")  # fmt: skip
+    b.add_argument("--door-ingress", choices=("door", "serve"), default="door",
+                   help="kvfold's arms: the door answers HTTP itself (default), or Ray Serve's "
+                   "proxy and the FrontDoor deployment")  # fmt: skip
     b.add_argument("--router-bin", default=".venv-router/bin/vllm-router",
                    help="vllm-router's executable, for the vllm_router_* arms (make test "
                    "builds .venv-router)")  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import time
 from pathlib import Path
@@ -46,7 +47,8 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
     from kvfold.engines.engine_fleet import EngineFleet
     from kvfold.engines.vllm_server import free_loopback_port
 
-    fleet = EngineFleet(engine_settings(args), args.engines)
+    # vLLM's default topic (""): vllm-router's kv_aware drops every batch under another
+    fleet = EngineFleet(engine_settings(args), args.engines, topic="")
     relay = None
     endpoints = fleet.endpoints
     if "vllm_router_kv_aware" in arms:
@@ -96,9 +98,10 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
                 from kvfold.bench.vllm_router import VllmRouter
 
                 sources = [p.outlet for p in relay.ports] if relay is not None else []
+                replays = [e.replay or "" for e in fleet.endpoints] if relay is not None else []
                 router = VllmRouter(
                     args.router_bin, VLLM_ROUTER_ARMS[arm], urls, kv_event_sources=sources,
-                    model=model,
+                    kv_event_replay_sources=replays, model=model,
                 )  # fmt: skip
                 commands[arm] = shlex.join(router.command())
                 print(f"  {commands[arm]}", flush=True)
@@ -110,7 +113,8 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
                 door = serve_front_door(
                     FrontDoorSettings(
                         engine_urls=tuple(urls), model_dir=args.model_dir,
-                        namespace=kv.namespace, policy=arm, http_port=port,
+                        namespace=kv.namespace, policy=arm, ingress=args.door_ingress,
+                        http_port=port if args.door_ingress == "serve" else free_loopback_port(),
                         max_running_per_engine=args.max_num_seqs, queue_timeout_s=300.0,
                         prefix_weight=args.prefix_weight,
                         queue_limit=max(256, len(requests)),
@@ -146,7 +150,8 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
 
 def router_counters(page: str) -> dict[str, float]:
     """vllm-router's own counters that say how it routed (its Prometheus page): every
-    sample whose name speaks of prefixes, cache or KV, summed over labels."""
+    sample whose name speaks of prefixes, cache or KV, by its result or outcome label
+    (kv_aware's lookups: hit, miss, missing_tokens, ...), summed over the other labels."""
     out: dict[str, float] = {}
     for line in page.splitlines():
         if not line or line.startswith("#"):
@@ -154,6 +159,9 @@ def router_counters(page: str) -> dict[str, float]:
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if not any(w in name for w in ("prefix", "cache", "kv_", "credited", "lookup")):
             continue
+        m = re.search(r'(?:result|outcome)="([^"]*)"', line)
+        if m is not None:
+            name = f"{name}:{m.group(1)}"
         try:
             value = float(line.rsplit(" ", 1)[1])
         except (IndexError, ValueError):

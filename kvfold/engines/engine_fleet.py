@@ -24,7 +24,7 @@ TOPIC = "kv-events"
 
 
 class EngineFleet:
-    def __init__(self, settings: VLLMServerSettings, num_engines: int) -> None:
+    def __init__(self, settings: VLLMServerSettings, num_engines: int, topic: str = TOPIC) -> None:
         if type(num_engines) is not int or num_engines <= 0:
             raise ValueError(f"num_engines={num_engines!r}: allowed: an int > 0")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
@@ -38,7 +38,7 @@ class EngineFleet:
                 port=free_loopback_port(),
                 events_endpoint=events,
                 replay_endpoint=replay,
-                topic=TOPIC,
+                topic=topic,
                 omp_threads_bind=settings.omp_threads_bind or str(i % cores),
                 log_path=None,
             )
@@ -46,7 +46,7 @@ class EngineFleet:
             self.servers.append(server)
             self.endpoints.append(
                 EngineEndpoints(
-                    events=events, replay=replay, metrics=server.base_url + "/metrics", topic=TOPIC
+                    events=events, replay=replay, metrics=server.base_url + "/metrics", topic=topic
                 )
             )
 

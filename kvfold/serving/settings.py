@@ -20,6 +20,8 @@ DOOR_ACTOR_NAME = f"{PREFIX}door"
 # pass through Serve's proxy each), as Ray Serve LLM batches its streams (50 ms default).
 STREAM_INTERVAL_S = 0.05
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# who answers HTTP: Ray Serve's proxy and the FrontDoor deployment, or the door itself
+INGRESSES = ("serve", "door")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,9 @@ class FrontDoorSettings:
     http_port: int = 8000
     retry_unstreamed: bool = True  # an engine failing before a byte was sent: try another
     stream_interval_s: float = STREAM_INTERVAL_S  # 0: every chunk passed on as it comes
+    # "serve": Ray Serve's proxy, then the FrontDoor deployment (Serve scales and restarts
+    # it); "door": the door's own actor answers HTTP (kvfold.serving.door_http), no proxy
+    ingress: str = "serve"
 
     def __post_init__(self) -> None:
         if not self.engine_urls:
@@ -74,6 +79,14 @@ class FrontDoorSettings:
             raise ValueError(
                 f"num_replicas={self.num_replicas} with shared_door=False: allowed: one "
                 "replica, or shared_door=True (the replicas then share one door actor)"
+            )
+        if self.ingress not in INGRESSES:
+            raise ValueError(f"ingress={self.ingress!r}: allowed: {', '.join(INGRESSES)}")
+        if self.ingress == "door" and (self.num_replicas != 1 or self.shared_door):
+            raise ValueError(
+                f"ingress='door' with num_replicas={self.num_replicas}, shared_door="
+                f"{self.shared_door}: allowed: one replica and its own door (the door's actor "
+                "answers HTTP itself); ingress='serve' for replicas sharing a door"
             )
         if self.max_running_per_engine is not None and (
             type(self.max_running_per_engine) is not int or self.max_running_per_engine <= 0
@@ -107,4 +120,4 @@ class FrontDoorSettings:
         return self.http_host in LOOPBACK_HOSTS
 
 
-__all__ = ["DOOR_ACTOR_NAME", "STREAM_INTERVAL_S", "FrontDoorSettings"]
+__all__ = ["DOOR_ACTOR_NAME", "INGRESSES", "STREAM_INTERVAL_S", "FrontDoorSettings"]
