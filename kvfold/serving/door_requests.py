@@ -201,9 +201,9 @@ class DoorRequests:
                 return _error(status, admitted.message, admitted.reason, headers)
             try:
                 if req.stream:
-                    return await self._stream(rid, admitted, path, req)
+                    return await self._stream(rid, admitted, path, raw)
                 status, data, headers = await post_json(
-                    self._http(), admitted.rank, admitted.url, path, req.body
+                    self._http(), admitted.rank, admitted.url, path, raw
                 )
                 self.door.release(rid)
                 return Answer(status, data, _kvfold(headers, admitted))
@@ -219,8 +219,9 @@ class DoorRequests:
                 raise
         raise AssertionError("unreachable")
 
-    async def _stream(self, rid: str, admitted: Admitted, path: str, req: OpenAIRequest) -> Answer:
-        stream = await open_stream(self._http(), admitted.rank, admitted.url, path, req.body)
+    async def _stream(self, rid: str, admitted: Admitted, path: str, raw: bytes) -> Answer:
+        """The engine's stream of `raw` (the client's body, unchanged), as it comes."""
+        stream = await open_stream(self._http(), admitted.rank, admitted.url, path, raw)
         if stream.status != 200:
             data = await stream.body()
             self.door.release(rid)

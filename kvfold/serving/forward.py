@@ -49,12 +49,24 @@ def new_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
 
 
+def _payload(body: Mapping[str, Any] | bytes) -> dict[str, Any]:
+    """aiohttp's arguments for a JSON body: bytes as they came (the client's own, passed on
+    unchanged without encoding it again), or an object to encode."""
+    if isinstance(body, bytes):
+        return {"data": body, "headers": {"Content-Type": "application/json"}}
+    return {"json": body}
+
+
 async def post_json(
-    session: aiohttp.ClientSession, rank: int, url: str, path: str, body: Mapping[str, Any]
+    session: aiohttp.ClientSession,
+    rank: int,
+    url: str,
+    path: str,
+    body: Mapping[str, Any] | bytes,
 ) -> tuple[int, bytes, dict[str, str]]:
     """POST `body` to the engine; its status, body and passed-on headers."""
     try:
-        async with session.post(url + path, json=body) as r:
+        async with session.post(url + path, **_payload(body)) as r:
             data = await r.read()
             return r.status, data, _headers(r)
     except (aiohttp.ClientError, OSError) as e:
@@ -92,11 +104,15 @@ class EngineStream:
 
 
 async def open_stream(
-    session: aiohttp.ClientSession, rank: int, url: str, path: str, body: Mapping[str, Any]
+    session: aiohttp.ClientSession,
+    rank: int,
+    url: str,
+    path: str,
+    body: Mapping[str, Any] | bytes,
 ) -> EngineStream:
     """POST `body` and wait for the engine's status line; nothing of the body is read."""
     try:
-        r = await session.post(url + path, json=body)
+        r = await session.post(url + path, **_payload(body))
     except (aiohttp.ClientError, OSError) as e:
         raise EngineFailed(rank, url, repr(e), streamed=False) from e
     return EngineStream(rank, url, r.status, _headers(r), r)

@@ -49,7 +49,7 @@ class FrontDoorSettings:
     stream_interval_s: float = STREAM_INTERVAL_S  # 0: every chunk passed on as it comes
     # "serve": Ray Serve's proxy, then the FrontDoor deployment (Serve scales and restarts
     # it); "door": the door's own actor answers HTTP (kvfold.serving.door_http), no proxy
-    ingress: str = "serve"
+    ingress: str = "door"
 
     def __post_init__(self) -> None:
         if not self.engine_urls:
@@ -75,6 +75,12 @@ class FrontDoorSettings:
                 raise ValueError(f"{name}={value!r}: allowed: an int >= 0")
         if type(self.num_replicas) is not int or self.num_replicas <= 0:
             raise ValueError(f"num_replicas={self.num_replicas!r}: allowed: an int > 0")
+        if self.ingress == "door" and (self.num_replicas != 1 or self.shared_door):
+            raise ValueError(
+                f"ingress='door' with num_replicas={self.num_replicas}, shared_door="
+                f"{self.shared_door}: allowed: one replica and its own door (the door's actor "
+                "answers HTTP itself); ingress='serve' for replicas sharing a door"
+            )
         if self.num_replicas > 1 and not self.shared_door:
             raise ValueError(
                 f"num_replicas={self.num_replicas} with shared_door=False: allowed: one "
@@ -82,12 +88,6 @@ class FrontDoorSettings:
             )
         if self.ingress not in INGRESSES:
             raise ValueError(f"ingress={self.ingress!r}: allowed: {', '.join(INGRESSES)}")
-        if self.ingress == "door" and (self.num_replicas != 1 or self.shared_door):
-            raise ValueError(
-                f"ingress='door' with num_replicas={self.num_replicas}, shared_door="
-                f"{self.shared_door}: allowed: one replica and its own door (the door's actor "
-                "answers HTTP itself); ingress='serve' for replicas sharing a door"
-            )
         if self.max_running_per_engine is not None and (
             type(self.max_running_per_engine) is not int or self.max_running_per_engine <= 0
         ):

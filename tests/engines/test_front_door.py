@@ -1,5 +1,6 @@
-"""kvfold's front door on Ray Serve in front of 3 real vLLM engines, judged by the engines'
-own word:
+"""kvfold's front door in front of 3 real vLLM engines, judged by the engines' own word. The
+door answers HTTP itself (the default ingress); a second front door on Ray Serve's proxy
+(ingress="serve") takes the retry test.
 
 - text and chat prompts are tokenized exactly as the engine tokenizes them (the engine's
   `prompt_token_ids`), so what the door counts is what the engine holds;
@@ -11,6 +12,7 @@ own word:
   by name;
 - kvfold's RequestRouter in a Serve deployment of the engines sends a shared prefix to the
   engine that holds it (the engine's `cached_tokens`), and frees it when it completes;
+- a small bench-serve: vllm-router beside the door on the same engines;
 - nothing the front door starts listens beyond loopback;
 - an engine killed mid-run: its requests end with an error naming it, or go elsewhere
   when nothing was streamed yet; its commitments are released; nothing waits forever.
@@ -49,7 +51,7 @@ from kvfold.errors import DoorRefused
 from kvfold.serving.door_actor import start_door
 from kvfold.serving.door_admission import LEAST_LOADED
 from kvfold.serving.engine_replica import engine_deployment
-from kvfold.serving.front_door import FrontDoorApp, serve_front_door
+from kvfold.serving.front_door import FrontDoorApp, serve_front_door, start_serve
 from kvfold.serving.openai_body import parse_chat, parse_completion
 from kvfold.serving.prompt_tokens import PromptTokenizer
 from kvfold.serving.request_router import kvfold_router_config
@@ -69,8 +71,9 @@ LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 class Door:
     fleet: EngineFleet
     kv: Any
-    app: FrontDoorApp
+    app: FrontDoorApp  # the door answering HTTP itself (the default ingress)
     tokenizer: PromptTokenizer
+    serve_port: int  # Ray Serve's proxy, for the Serve ingress and the engines' deployment
 
     def post(
         self, path: str, body: dict[str, Any], timeout_s: float = 180
@@ -106,6 +109,8 @@ def door(engine_python: str, tiny_llama_dir: str) -> Iterator[Door]:
     cluster = start_local_cluster(num_nodes=1, gpus_per_node=ENGINES)
     try:
         kv = launch(ENGINES, ENGINES, engines=fleet.endpoints, dead_after_s=2.0)
+        serve_port = free_loopback_port()
+        start_serve(http_port=serve_port)
         app = serve_front_door(
             FrontDoorSettings(
                 engine_urls=tuple(fleet.urls),
@@ -116,7 +121,8 @@ def door(engine_python: str, tiny_llama_dir: str) -> Iterator[Door]:
                 http_port=free_loopback_port(),
             )
         )
-        yield Door(fleet, kv, app, PromptTokenizer(tiny_llama_dir))
+        assert app.server is not None  # the default: the door's own HTTP, no Serve proxy
+        yield Door(fleet, kv, app, PromptTokenizer(tiny_llama_dir), serve_port)
     finally:
         try:
             serve.shutdown()
@@ -428,21 +434,27 @@ def test_a_small_bench_serve_runs_kvfold_beside_vllm_router_on_the_same_engines(
 
 def test_nothing_the_front_door_starts_listens_beyond_loopback(door: Door) -> None:
     ours = {p.pid: p for p in psutil.Process(os.getpid()).children(recursive=True)}
-    assert any("ServeReplica" in _command(p) for p in ours.values())
-    wide = []
+    assert any("DoorServer" in _command(p) for p in ours.values())  # the door's own HTTP
+    assert any("ProxyActor" in _command(p) for p in ours.values())  # Serve's proxy
+    door_port = door.app.settings.http_port
+    wide, door_listens = [], []
     for pid, p in ours.items():
         try:
             for c in p.net_connections(kind="inet"):
                 if c.status == psutil.CONN_LISTEN and c.laddr.ip not in LOOPBACK:
                     wide.append((pid, p.name(), c.laddr.ip, c.laddr.port))
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == door_port:
+                    door_listens.append(c.laddr.ip)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     assert not wide, wide
+    assert door_listens == ["127.0.0.1"], door_listens
 
 
 def test_an_engine_failing_before_a_byte_leaves_the_request_to_another_once(door: Door) -> None:
-    """A second front door whose engine rank 0 is reached at a server that answers
-    /v1/models as that engine does and drops every request unanswered (an engine dying
+    """A second front door, on Ray Serve's ingress, whose engine rank 0 is reached at a
+    server that answers /v1/models as that engine does and drops every request unanswered
+    (an engine dying
     between accepting a request and answering it). kvfold's view holds rank 0 live: it reads
     the real engine. Under least_loaded, idle engines tie and the lowest rank wins, so each
     request is placed on rank 0 first, fails there before a byte, and is placed once more,
@@ -473,7 +485,7 @@ def test_an_engine_failing_before_a_byte_leaves_the_request_to_another_once(door
             engine_urls=(f"http://127.0.0.1:{standin.server_address[1]}", *door.fleet.urls[1:]),
             model_dir=door.app.settings.model_dir, namespace=door.kv.namespace,
             policy=LEAST_LOADED, app_name="kvfold-front-door-retry", route_prefix="/retry",
-            http_port=door.app.settings.http_port,
+            ingress="serve", http_port=door.serve_port,
         )
     )  # fmt: skip
     try:
@@ -552,7 +564,7 @@ def test_a_front_door_started_with_an_engine_down_serves_the_others(door: Door) 
         FrontDoorSettings(
             engine_urls=tuple(door.fleet.urls), model_dir=door.app.settings.model_dir,
             namespace=door.kv.namespace, app_name="kvfold-front-door-late",
-            route_prefix="/late", http_port=door.app.settings.http_port,
+            route_prefix="/late", http_port=free_loopback_port(),
         ),
         engines_live=2,
     )  # fmt: skip

@@ -92,6 +92,9 @@ def test_a_chat_kvfold_cannot_count_is_refused_by_name(body: Any, param: str) ->
         ({"num_replicas": 0}, "num_replicas=0"),
         ({"http_port": 0}, "http_port=0"),
         ({"max_running_per_engine": 0}, "max_running_per_engine=0"),
+        ({"ingress": "haproxy"}, "ingress='haproxy'"),
+        ({"ingress": "door", "num_replicas": 2, "shared_door": True}, "ingress='door' with"),
+        ({"ingress": "door", "shared_door": True}, "ingress='door' with"),
     ],
 )
 def test_front_door_settings_name_what_is_wrong(kwargs: dict[str, Any], match: str) -> None:
