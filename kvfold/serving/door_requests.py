@@ -227,7 +227,7 @@ class DoorRequests:
             self.door.release(rid)
             return Answer(stream.status, data, _kvfold(stream.headers, admitted))
         chunks = relayed(
-            stream, self.settings.stream_interval_s,
+            stream, self.settings.stream_interval,
             on_end=lambda: self.door.release(rid), on_first=lambda: self.door.started(rid),
         )  # fmt: skip
         return Answer(

@@ -16,8 +16,9 @@ from kvfold.naming import PREFIX
 from kvfold.serving.door_admission import POLICIES, PRECISE_PREFIX
 
 DOOR_ACTOR_NAME = f"{PREFIX}door"
-# A stream's tokens after its first are passed on together every this many seconds (one
-# pass through Serve's proxy each), as Ray Serve LLM batches its streams (50 ms default).
+# Through Serve's proxy, a stream's tokens after its first are passed on together every this
+# many seconds (one pass through the proxy each), as Ray Serve LLM batches its streams (50 ms
+# by default). The door's own HTTP passes each chunk on as it comes, as an engine does.
 STREAM_INTERVAL_S = 0.05
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # who answers HTTP: Ray Serve's proxy and the FrontDoor deployment, or the door itself
@@ -46,7 +47,9 @@ class FrontDoorSettings:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     retry_unstreamed: bool = True  # an engine failing before a byte was sent: try another
-    stream_interval_s: float = STREAM_INTERVAL_S  # 0: every chunk passed on as it comes
+    # 0: every chunk passed on as it comes; None: 0 on the door's ingress, STREAM_INTERVAL_S
+    # through Serve's proxy
+    stream_interval_s: float | None = None
     # "serve": Ray Serve's proxy, then the FrontDoor deployment (Serve scales and restarts
     # it); "door": the door's own actor answers HTTP (kvfold.serving.door_http), no proxy
     ingress: str = "door"
@@ -99,10 +102,12 @@ class FrontDoorSettings:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}={value!r}: allowed: a number > 0")
-        if not isinstance(self.stream_interval_s, (int, float)) or not self.stream_interval_s >= 0:
+        if self.stream_interval_s is not None and (
+            not isinstance(self.stream_interval_s, (int, float)) or not self.stream_interval_s >= 0
+        ):
             raise ValueError(
                 f"stream_interval_s={self.stream_interval_s!r}: allowed: a number >= 0 "
-                "(0: every chunk as it comes)"
+                "(0: every chunk as it comes), or None (the ingress's own)"
             )
         if not self.prefix_weight >= 0:
             raise ValueError(f"prefix_weight={self.prefix_weight!r}: allowed: >= 0")
@@ -114,6 +119,13 @@ class FrontDoorSettings:
     @property
     def engine_ranks(self) -> tuple[int, ...]:
         return tuple(range(len(self.engine_urls)))
+
+    @property
+    def stream_interval(self) -> float:
+        """Seconds a stream's chunks after its first are gathered for (0: none)."""
+        if self.stream_interval_s is not None:
+            return float(self.stream_interval_s)
+        return 0.0 if self.ingress == "door" else STREAM_INTERVAL_S
 
     @property
     def on_loopback(self) -> bool:
