@@ -85,3 +85,65 @@ def test_time_to_first_token_counts_the_first_event_with_text() -> None:
     assert not first_text(b'data: {"choices":[{"index":0,"text":""}]}\n')  # text held back
     assert not first_text(b"data: [DONE]\n")
     assert not first_text(b"\n")
+
+
+def test_vllm_routers_counters_are_read_by_result() -> None:
+    from kvfold.bench.serve_runner import router_counters
+
+    page = "\n".join(
+        [
+            "# TYPE vllm_router_kv_placement_lookups_total counter",
+            'vllm_router_kv_placement_lookups_total{result="hit",model="m"} 3',
+            'vllm_router_kv_placement_lookups_total{result="miss",model="m"} 7',
+            'vllm_router_kv_placement_lookups_total{result="miss",model="n"} 1',
+            'vllm_router_prefix_routing_decisions_total{outcome="prefix_cost"} 11',
+            "vllm_router_requests_total 11",
+            "vllm_router_cache_size not-a-number",
+        ]
+    )
+    assert router_counters(page) == {
+        "vllm_router_kv_placement_lookups_total:hit": 3.0,
+        "vllm_router_kv_placement_lookups_total:miss": 8.0,
+        "vllm_router_prefix_routing_decisions_total:prefix_cost": 11.0,
+    }
+
+
+def test_engines_get_a_longer_context_through_hf_overrides_only_past_the_models_own(
+    tmp_path: Path,
+) -> None:
+    import argparse
+
+    from kvfold.bench.serve_runner import engine_settings
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    python = tmp_path / "python"
+    python.write_text("")
+    args = argparse.Namespace(
+        engine_python=str(python), model_dir=str(tmp_path), blocks=64, max_num_seqs=4,
+        max_model_len=4096,
+    )  # fmt: skip
+    assert engine_settings(args).extra_args == ()
+    args.max_model_len = 8192
+    s = engine_settings(args)
+    assert s.max_model_len == 8192
+    assert s.extra_args == ("--hf-overrides", '{"max_position_embeddings": 8192}')
+
+
+def test_one_picture_holds_every_arm_of_every_load(tmp_path: Path) -> None:
+    from kvfold.bench.picture import main
+
+    for load, scale in (("half", 0.25), ("85", 0.4)):
+        arms = ("round_robin", "precise_prefix")
+        rows = [
+            summarize(a, _requests(10), _outcomes(), EngineCounters(),
+                      EngineCounters(cached_tokens=100 * (i + 1)), 3.0)
+            for i, a in enumerate(arms)
+        ]  # fmt: skip
+        (tmp_path / load).mkdir()
+        (tmp_path / load / "bench_serve.json").write_text(
+            json.dumps({"meta": {"time_scale": scale}, "rows": rows})
+        )
+    out = tmp_path / "frontier.png"
+    assert main([str(tmp_path / "half" / "bench_serve.json"),
+                 str(tmp_path / "85" / "bench_serve.json"), "-o", str(out)]) == 0  # fmt: skip
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
