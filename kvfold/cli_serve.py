@@ -42,8 +42,12 @@ def bench_serve_parser(sub: Any) -> None:
     b.add_argument("--max-output-tokens", type=int, default=48)
     b.add_argument("--blocks", type=int, default=160, help="KV blocks per engine (of 32 tokens)")
     b.add_argument("--max-num-seqs", type=int, default=8)
-    b.add_argument("--prefix-weight", type=float, default=1.0,
-                   help="precise_prefix: blocks to prefill against blocks held")  # fmt: skip
+    b.add_argument("--prefix-weight", type=float, default=None,
+                   help="precise_prefix: a block of the prompt to prefill, in blocks of "
+                   "prefill queued (default: the door's)")  # fmt: skip
+    b.add_argument("--decode-weight", type=float, default=None,
+                   help="precise_prefix: a committed block, in blocks of prefill queued "
+                   "(default: the door's)")  # fmt: skip
     b.add_argument("--door-ingress", choices=("door", "serve"), default="door",
                    help="kvfold's arms: the door answers HTTP itself (default), or Ray Serve's "
                    "proxy and the FrontDoor deployment")  # fmt: skip
@@ -69,8 +73,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print(f"--arms {args.arms!r}: allowed: a comma-separated subset of {', '.join(ARMS)}",
               file=sys.stderr)  # fmt: skip
         return 2
-    if args.engines <= 0 or args.limit <= 0 or args.skip < 0 or not args.prefix_weight >= 0:
-        print("--engines and --limit must be > 0, --skip and --prefix-weight >= 0",
+    weights = [w for w in (args.prefix_weight, args.decode_weight) if w is not None]
+    if args.engines <= 0 or args.limit <= 0 or args.skip < 0 or not all(w >= 0 for w in weights):
+        print("--engines and --limit must be > 0, --skip, --prefix-weight and --decode-weight "
+              ">= 0",
               file=sys.stderr)  # fmt: skip
         return 2
     from kvfold.bench.bench_trace import serve_requests

@@ -86,6 +86,14 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
         model = "tiny-llama"
         rows, per_request = [], []
         commands: dict[str, str] = {}
+        weights = {
+            k: v
+            for k, v in (
+                ("prefix_weight", args.prefix_weight),
+                ("decode_weight", args.decode_weight),
+            )
+            if v is not None
+        }
         for arm in arms:
             print(f"== {arm}: {len(requests)} requests", flush=True)
             if arm == "round_robin":
@@ -116,7 +124,7 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
                         namespace=kv.namespace, policy=arm, ingress=args.door_ingress,
                         http_port=port if args.door_ingress == "serve" else free_loopback_port(),
                         max_running_per_engine=args.max_num_seqs, queue_timeout_s=300.0,
-                        prefix_weight=args.prefix_weight,
+                        **weights,
                         queue_limit=max(256, len(requests)),
                     )
                 )  # fmt: skip

@@ -45,6 +45,7 @@ from kvfold.serving.door_admission import (
 from kvfold.serving.door_answers import Admitted, NotAdmitted, QueueRefused, QueueTimeout
 from kvfold.serving.door_limits import EngineLimits
 from kvfold.serving.door_view import CommittedLog, block_sizes, engine_states
+from kvfold.serving.inflight import InFlight
 from kvfold.serving.settings import DOOR_ACTOR_NAME, FrontDoorSettings
 from kvfold.view import ClusterView
 from kvfold.worker.hashing import as_token_array, block_keys
@@ -63,10 +64,12 @@ class DoorActor:
             queue_limit=settings.queue_limit,
             max_running_per_engine=settings.max_running_per_engine,
             prefix_weight=settings.prefix_weight,
+            decode_weight=settings.decode_weight,
             held_blocks=self._held_blocks,
         )
         self._waiting: dict[str, asyncio.Future[Placement | None]] = {}
         self._keys: dict[str, tuple[list[Any], int]] = {}  # request -> (prefix keys, tokens)
+        self._inflight = InFlight()  # the prompts of what was sent and has not ended
         self._released_early: dict[str, None] = {}  # an ordered set, oldest first
         self._reader = ViewReader()
         self._replica: Replica | None = None
@@ -162,7 +165,7 @@ class DoorActor:
                 self._waiting.pop(request_id, None)
             if placed is None:
                 raise QueueRefused("released", f"request {request_id!r} was released")
-        self._keys.pop(request_id, None)
+        self._sent(request_id, placed.rank)
         self._logged(placed.rank)
         version = self._view.version if self._view is not None else 0
         return Admitted(
@@ -230,8 +233,15 @@ class DoorActor:
 
     # -- inside --------------------------------------------------------------------------
 
+    def _sent(self, request_id: str, rank: int) -> None:
+        """A request placed on `rank`: its prompt counts as held there until it ends."""
+        keys = self._keys.pop(request_id, None)
+        if keys is not None:
+            self._inflight.add(request_id, rank, keys[0])
+
     def _end(self, request_id: str) -> int | None:
         self._keys.pop(request_id, None)
+        self._inflight.remove(request_id)
         rank, placed = self.adm.release(request_id)
         future = self._waiting.get(request_id)
         if future is not None and not future.done():
@@ -243,7 +253,7 @@ class DoorActor:
 
     def _hand_out(self, placed: list[Placement]) -> None:
         for p in placed:
-            self._keys.pop(p.request_id, None)
+            self._sent(p.request_id, p.rank)
             self._logged(p.rank)
             future = self._waiting.get(p.request_id)
             if future is not None and not future.done():
@@ -253,11 +263,19 @@ class DoorActor:
         self._log.record(rank, time.time(), self.adm.committed(rank))
 
     def _held_blocks(self, request: DoorRequest) -> dict[int, int]:
+        """Per engine, the prompt's blocks it holds: by the block index (what its KV events
+        said), or sent there in a request still running (what they do not say yet)."""
         keys = self._keys.get(request.request_id)
-        if keys is None or self._replica is None or not self._replica.index.block_size:
+        if keys is None:
             return {}
-        m = self._replica.index.match(keys[0][: request.prompt_blocks], keys[1])
-        return {r: int(g) for r, g in enumerate(m.gpu) if g}
+        prefix = keys[0][: request.prompt_blocks]
+        held = self._inflight.match(prefix)
+        if self._replica is not None and self._replica.index.block_size:
+            m = self._replica.index.match(prefix, keys[1])
+            for r, g in enumerate(m.gpu):
+                if g > held.get(r, 0):
+                    held[r] = int(g)
+        return held
 
     def _block_size(self) -> int:
         sizes = block_sizes(self._view, self.settings.engine_ranks)

@@ -19,9 +19,10 @@ one, as in vLLM's and TensorRT-LLM's FCFS schedulers), bounded (`QueueFull` beyo
 `queue_limit`) and with a deadline per request; it goes to whichever engine frees first.
 
 Routing, among the live engines where the request fits:
-  precise_prefix  least cost, cost = prefix_weight x (prompt blocks the engine does not
-                  hold, by the block index, + blocks it still has to prefill for requests
-                  sent there whose first token has not come back) + its committed blocks:
+  precise_prefix  least cost, cost = prefix_weight x prompt blocks the engine does not
+                  hold (by the block index, and the prompts of requests still running
+                  there) + blocks it still has to prefill for requests sent there whose
+                  first token has not come back + decode_weight x its committed blocks:
                   Dynamo's KV router scores the same things (prefill blocks, the new
                   request's and the worker's active ones, and decode blocks), and marks a
                   request's prefill done at its first token as `started()` does here
@@ -42,6 +43,9 @@ from kvfold.worker.windows import window_manager
 PRECISE_PREFIX = "precise_prefix"
 LEAST_LOADED = "least_loaded"
 POLICIES = (PRECISE_PREFIX, LEAST_LOADED)
+# precise_prefix's cost weights, in blocks of prefill queued on the engine (docs/serving.md)
+PREFIX_WEIGHT = 4.0  # a block of the prompt the engine does not hold
+DECODE_WEIGHT = 0.0625  # a block committed to a running request
 
 
 class Refused(KVFoldError, RuntimeError):
@@ -97,7 +101,8 @@ class DoorAdmission:
         *,
         queue_limit: int = 256,
         max_running_per_engine: int | None = None,
-        prefix_weight: float = 1.0,
+        prefix_weight: float = PREFIX_WEIGHT,
+        decode_weight: float = DECODE_WEIGHT,
         held_blocks: HeldBlocks = _no_index,
     ) -> None:
         if policy not in POLICIES:
@@ -113,10 +118,13 @@ class DoorAdmission:
             )
         if not prefix_weight >= 0:
             raise ValueError(f"prefix_weight={prefix_weight!r}: allowed: >= 0")
+        if not decode_weight >= 0:
+            raise ValueError(f"decode_weight={decode_weight!r}: allowed: >= 0")
         self.policy = policy
         self.queue_limit = queue_limit
         self.max_running_per_engine = max_running_per_engine
         self.prefix_weight = prefix_weight
+        self.decode_weight = decode_weight
         self._held_blocks = held_blocks
         self.engines: dict[int, EngineState] = {}
         self._running: dict[str, Placement] = {}  # sent, not seen finish
@@ -253,8 +261,9 @@ class DoorAdmission:
             best = min(
                 fits,
                 key=lambda e: (
-                    self.prefix_weight * (to_prefill(e.rank) + self.prefilling(e.rank))
-                    + self.committed(e.rank),
+                    self.prefix_weight * to_prefill(e.rank)
+                    + self.prefilling(e.rank)
+                    + self.decode_weight * self.committed(e.rank),
                     e.rank,
                 ),
             )
@@ -298,9 +307,11 @@ def blocks_needed(
 
 
 __all__ = [
+    "DECODE_WEIGHT",
     "LEAST_LOADED",
     "POLICIES",
     "PRECISE_PREFIX",
+    "PREFIX_WEIGHT",
     "DoorAdmission",
     "DoorRequest",
     "EngineState",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvfold.naming import PREFIX
-from kvfold.serving.door_admission import POLICIES, PRECISE_PREFIX
+from kvfold.serving.door_admission import DECODE_WEIGHT, POLICIES, PRECISE_PREFIX, PREFIX_WEIGHT
 
 DOOR_ACTOR_NAME = f"{PREFIX}door"
 # Through Serve's proxy, a stream's tokens after its first are passed on together every this
@@ -35,7 +35,14 @@ class FrontDoorSettings:
     queue_timeout_s: float = 60.0  # a request waits at most this long; then 429
     watermark_blocks: int = 0  # blocks of each engine kept out of every promise
     max_running_per_engine: int | None = None  # the engines' max_num_seqs, or None
-    prefix_weight: float = 1.0  # precise_prefix: blocks to prefill against blocks held
+    # precise_prefix's cost on an engine, in blocks of prefill: prefix_weight x the prompt's
+    # blocks it does not hold + the blocks it still has to prefill for others + decode_weight
+    # x its committed blocks
+    # x its committed blocks. Measured defaults (docs/serving.md, "Routing"): a block a prompt
+    # must compute costs its first token (and everyone's behind it) more than a block queued,
+    # and far more than a block held by a running request, which decode only reads.
+    prefix_weight: float = PREFIX_WEIGHT
+    decode_weight: float = DECODE_WEIGHT
     refresh_s: float = 0.1  # how often the door follows the view and the block index
     num_replicas: int = 1  # front-door replicas (more than one needs shared_door)
     # False: the door lives in the front door's one replica (no Ray call per request; nothing
@@ -109,8 +116,9 @@ class FrontDoorSettings:
                 f"stream_interval_s={self.stream_interval_s!r}: allowed: a number >= 0 "
                 "(0: every chunk as it comes), or None (the ingress's own)"
             )
-        if not self.prefix_weight >= 0:
-            raise ValueError(f"prefix_weight={self.prefix_weight!r}: allowed: >= 0")
+        for name in ("prefix_weight", "decode_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: allowed: >= 0")
         if not 0 < self.http_port <= 65535:
             raise ValueError(f"http_port={self.http_port!r}: allowed: 1-65535")
         if not self.route_prefix.startswith("/"):

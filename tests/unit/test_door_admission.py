@@ -46,12 +46,17 @@ class DoorMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.next_id = 0
 
-    @rule(policy=st.sampled_from([PRECISE_PREFIX, LEAST_LOADED]))
+    @rule(
+        policy=st.sampled_from([PRECISE_PREFIX, LEAST_LOADED]),
+        prefix_weight=st.sampled_from([1.0, 4.0, 0.0]),
+        decode_weight=st.sampled_from([1.0, 0.0625, 0.0]),
+    )
     @precondition(lambda self: self.adm is None)
-    def start(self, policy: str) -> None:
+    def start(self, policy: str, prefix_weight: float, decode_weight: float) -> None:
         self.adm = DoorAdmission(
-            policy, queue_limit=QUEUE_LIMIT, held_blocks=lambda r: self.held.get(r.request_id, {})
-        )
+            policy, queue_limit=QUEUE_LIMIT, held_blocks=lambda r: self.held.get(r.request_id, {}),
+            prefix_weight=prefix_weight, decode_weight=decode_weight,
+        )  # fmt: skip
         self.sync(self.adm.update_engines(self.states()))
 
     def states(self) -> list[EngineState]:
@@ -78,8 +83,9 @@ class DoorMachine(RuleBasedStateMachine):
         held = self.held.get(req.request_id, {}) if self.adm.policy == PRECISE_PREFIX else {}
         pending = {e: self.pending_prefill(e) for e in range(3)}
         if self.adm.policy == PRECISE_PREFIX:
+            pw, dw = self.adm.prefix_weight, self.adm.decode_weight
             cost = {
-                e: max(req.prompt_blocks - held.get(e, 0), 0) + pending[e] + committed[e]
+                e: pw * max(req.prompt_blocks - held.get(e, 0), 0) + pending[e] + dw * committed[e]
                 for e in fits
             }
         else:
@@ -220,6 +226,7 @@ def test_blocks_needed_counts_every_sequence_to_its_declared_end() -> None:
         ({"queue_limit": -1}, "queue_limit=-1"),
         ({"max_running_per_engine": 0}, "max_running_per_engine=0"),
         ({"prefix_weight": -1.0}, "prefix_weight=-1.0"),
+        ({"decode_weight": -0.5}, "decode_weight=-0.5"),
     ],
 )
 def test_bad_settings_are_named(kwargs: dict[str, object], match: str) -> None:
