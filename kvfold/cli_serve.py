@@ -48,6 +48,13 @@ def bench_serve_parser(sub: Any) -> None:
     b.add_argument("--decode-weight", type=float, default=None,
                    help="precise_prefix: a committed block, in blocks of prefill queued "
                    "(default: the door's)")  # fmt: skip
+    b.add_argument("--door-refresh-s", type=float, default=None,
+                   help="kvfold's arms: how often the door follows the view and the block "
+                   "index (default: the door's)")  # fmt: skip
+    b.add_argument("--door-max-running", type=int, default=0,
+                   help="kvfold's arms: requests running on an engine at most, beyond which "
+                   "they wait in kvfold's queue (0, the default: no limit but the engines' KV; "
+                   "the engines queue the rest, as behind every other router)")  # fmt: skip
     b.add_argument("--door-ingress", choices=("door", "serve"), default="door",
                    help="kvfold's arms: the door answers HTTP itself (default), or Ray Serve's "
                    "proxy and the FrontDoor deployment")  # fmt: skip

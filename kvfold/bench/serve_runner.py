@@ -94,6 +94,8 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
             )
             if v is not None
         }
+        if args.door_refresh_s is not None:
+            weights["refresh_s"] = args.door_refresh_s
         for arm in arms:
             print(f"== {arm}: {len(requests)} requests", flush=True)
             if arm == "round_robin":
@@ -123,7 +125,8 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
                         engine_urls=tuple(urls), model_dir=args.model_dir,
                         namespace=kv.namespace, policy=arm, ingress=args.door_ingress,
                         http_port=port if args.door_ingress == "serve" else free_loopback_port(),
-                        max_running_per_engine=args.max_num_seqs, queue_timeout_s=300.0,
+                        max_running_per_engine=args.door_max_running or None,
+                        queue_timeout_s=300.0,
                         **weights,
                         queue_limit=max(256, len(requests)),
                     )
