@@ -39,7 +39,8 @@ def frontier_png(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str
     for k, (label, _) in enumerate(runs):
         ax.scatter([], [], marker=MARKERS[k % len(MARKERS)], color="#555", label=label)
     ax.set_xlabel("prompt tokens served from cache (engines' own count)  -> better")
-    ax.set_ylabel("TTFT p90, ms (client)  <- better")
+    ax.set_ylabel("TTFT p90, ms (client, log scale)  <- better")
+    ax.set_yscale("log")
     ax.set_title("bench-serve: each router, each load", fontsize=10)
     ax.legend(fontsize=8, title="load", title_fontsize=8)
     ax.grid(alpha=0.3)
