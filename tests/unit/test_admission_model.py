@@ -204,7 +204,8 @@ class AdmissionModel(RuleBasedStateMachine):
             assert ok, f"rank {d.rank} refused {rid}: one controller over-committed it"
         if d.reason == "fits_claim":
             self.claimed += 1
-            assert ok, f"rank {d.rank} refused {rid}, promised under a granted claim"
+            if not self.grown_past_promise(d.rank):
+                assert ok, f"rank {d.rank} refused {rid}, promised under a granted claim"
         if ok:
             end = len(tokens) + max_new
             self.placed[rid] = Placed(d.rank, len(tokens), end, len(tokens) + min(max_new, B))
@@ -324,6 +325,16 @@ class AdmissionModel(RuleBasedStateMachine):
         for cache in self.caches.values():
             cache.check_integrity()  # committed recounts, used <= committed <= total
 
+    def grown_past_promise(self, r: int) -> bool:
+        """Under MAX_UTILIZATION a running request on rank `r` has grown past what was
+        promised it (its prompt and one block), into room no view knew of: a claim's room
+        holds against every promise, not against that growth, and the rank's own check
+        refuses what no longer fits (MAX_UTILIZATION's meaning: over-commit, the rank
+        arbitrates)."""
+        return self.policy is Policy.MAX_UTILIZATION and any(
+            p.rank == r and p.tokens > p.first_block_end for p in self.placed.values()
+        )
+
     @precondition(lambda self: self.claims)
     @invariant()
     def a_usable_grant_fits_beside_every_promise_still_on_its_way(self) -> None:
@@ -341,6 +352,8 @@ class AdmissionModel(RuleBasedStateMachine):
             if granted is None:
                 continue
             r, room = granted
+            if self.grown_past_promise(r):
+                continue
             windows = self.caches[r].stats().windows
             for i, w in enumerate(idx.windows):
                 on_way = sum(d.blocks[w] for q in self.pending for _, _, _, d in q if d.rank == r)
