@@ -86,7 +86,7 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
         model = "tiny-llama"
         rows, per_request = [], []
         commands: dict[str, str] = {}
-        weights = {
+        door_options: dict[str, Any] = {
             k: v
             for k, v in (
                 ("prefix_weight", args.prefix_weight),
@@ -95,7 +95,7 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
             if v is not None
         }
         if args.door_refresh_s is not None:
-            weights["refresh_s"] = args.door_refresh_s
+            door_options["refresh_s"] = args.door_refresh_s
         for arm in arms:
             print(f"== {arm}: {len(requests)} requests", flush=True)
             if arm == "round_robin":
@@ -127,7 +127,7 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
                         http_port=port if args.door_ingress == "serve" else free_loopback_port(),
                         max_running_per_engine=args.door_max_running or None,
                         queue_timeout_s=300.0,
-                        **weights,
+                        **door_options,
                         queue_limit=max(256, len(requests)),
                     )
                 )  # fmt: skip

@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvfold.engines.vllm_server import EngineStartError, _group_alive, _signal_group
+from kvfold.engines.vllm_server import EngineStartError, stop_process_group
 from kvfold.engines.vllm_settings import LOOPBACK, free_loopback_port
 
 POLICIES = ("power_of_two", "cache_aware", "kv_aware", "round_robin")
@@ -134,19 +134,9 @@ class VllmRouter:
         return "\n".join(lines)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self._proc is None:
-            return
-        import signal
-
-        pgid = self._proc.pid
-        _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _group_alive(pgid, self._proc):
-            time.sleep(0.05)
-        if _group_alive(pgid, self._proc):
-            _signal_group(pgid, signal.SIGKILL)
-        self._proc.wait(timeout=5)
-        self._proc = None
+        if self._proc is not None:
+            stop_process_group(self._proc, timeout_s)
+            self._proc = None
 
     def __enter__(self) -> VllmRouter:
         self.start()

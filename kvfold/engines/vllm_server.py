@@ -203,19 +203,8 @@ class VLLMServer:
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL it if still there after `timeout_s`, and
         wait until no process of the group is left. Idempotent; a no-op before start()."""
-        if self._proc is None:
-            return
-        pgid = self._proc.pid
-        _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _group_alive(pgid, self._proc):
-            time.sleep(0.1)
-        if _group_alive(pgid, self._proc):
-            _signal_group(pgid, signal.SIGKILL)
-            deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline and _group_alive(pgid, self._proc):
-                time.sleep(0.05)
-        self._proc.poll()
+        if self._proc is not None:
+            stop_process_group(self._proc, timeout_s)
 
     @property
     def returncode(self) -> int | None:
@@ -285,6 +274,22 @@ class VLLMServer:
             raise EngineRequestError(path, 0, repr(e)) from e
 
 
+def stop_process_group(leader: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM the process group `leader` leads, SIGKILL it if still there after
+    `timeout_s`, and wait until no process of the group is left (the leader reaped)."""
+    pgid = leader.pid
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _group_alive(pgid, leader):
+        time.sleep(0.05)
+    if _group_alive(pgid, leader):
+        _signal_group(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and _group_alive(pgid, leader):
+            time.sleep(0.05)
+    leader.poll()
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
@@ -325,4 +330,5 @@ __all__ = [
     "VLLMServerSettings",
     "free_loopback_port",
     "kv_bytes_per_token",
+    "stop_process_group",
 ]
