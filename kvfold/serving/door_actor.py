@@ -11,8 +11,9 @@ the engines as one controller would: a promise is made in one place, in order.
       committed_between  the most committed on an engine over a time span (for checks)
     start_door / get_door
 
-What the actor knows of the engines comes from kvfold's view (capacity, block size,
-liveness, the engine's own used blocks) and from each engine's /v1/models (its
+What the actor knows of the engines comes from kvfold's view, followed with the block index
+(kvfold.serving.door_follow: capacity, block size, liveness, the engine's own used blocks),
+and from each engine's /v1/models (its
 max_model_len, asked once the engine is live in the view, in a thread:
 kvfold.serving.door_limits). An engine down when the door starts is taken once it is up;
 until its limit is known it gets no request. The door never calls an engine for a request.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -30,10 +30,6 @@ from typing import Any
 
 import ray
 
-from kvfold.aggregator.view_delta import ViewReader
-from kvfold.blockindex.client import IndexClient
-from kvfold.blockindex.feed import NO_CURSOR, Replica
-from kvfold.naming import AGGREGATOR_NAME
 from kvfold.serving.door_admission import (
     DoorAdmission,
     DoorRequest,
@@ -43,6 +39,7 @@ from kvfold.serving.door_admission import (
     blocks_needed,
 )
 from kvfold.serving.door_answers import Admitted, NotAdmitted, QueueRefused, QueueTimeout
+from kvfold.serving.door_follow import ViewFollower
 from kvfold.serving.door_limits import EngineLimits
 from kvfold.serving.door_view import CommittedLog, block_sizes, engine_states
 from kvfold.serving.inflight import InFlight
@@ -71,11 +68,8 @@ class DoorActor:
         self._keys: dict[str, tuple[list[Any], int]] = {}  # request -> (prefix keys, tokens)
         self._inflight = InFlight()  # the prompts of what was sent and has not ended
         self._released_early: dict[str, None] = {}  # an ordered set, oldest first
-        self._reader = ViewReader()
-        self._replica: Replica | None = None
+        self._view_follower = ViewFollower(settings.namespace)  # the view, the index
         self._view: ClusterView | None = None
-        self._aggregator: Any = None
-        self._index: IndexClient | None = None  # who keeps the block index, once asked
         self._log = CommittedLog(settings.engine_ranks, time.time())
         self.limits = EngineLimits()  # each engine's max_model_len, asked once it is live
         self.above_committed: dict[int, int] = {}  # reports of used > committed, per engine
@@ -270,8 +264,9 @@ class DoorActor:
             return {}
         prefix = keys[0][: request.prompt_blocks]
         held = self._inflight.match(prefix)
-        if self._replica is not None and self._replica.index.block_size:
-            m = self._replica.index.match(prefix, keys[1])
+        replica = self._view_follower.replica
+        if replica is not None and replica.index.block_size:
+            m = replica.index.match(prefix, keys[1])
             for r, g in enumerate(m.gpu):
                 if g > held.get(r, 0):
                     held[r] = int(g)
@@ -337,7 +332,7 @@ class DoorActor:
                 # whatever else: this loop is the door's only sight of the cluster, so no
                 # fault may end it (each is counted and logged, and it goes on)
                 self.follow_failures += 1
-                self._aggregator = None
+                self._view_follower.forget()
                 if self.follow_failures % 100 == 1:
                     log.warning("kvfold door: following the view failed: %r", e)
             gone, placed = self.adm.expire(time.monotonic())
@@ -350,32 +345,8 @@ class DoorActor:
             await asyncio.sleep(self.settings.refresh_s)
 
     async def _follow_once(self) -> None:
-        if self._aggregator is None:
-            self._aggregator = ray.get_actor(AGGREGATOR_NAME, namespace=self.settings.namespace)
-        if self._index is None:
-            index = IndexClient(self.settings.namespace)
-            await asyncio.to_thread(index.resolve)  # asked once: who keeps the block index
-            self._index = index
-        asked = self._reader.position
-        cursor_asked = self._replica.cursor if self._replica is not None else NO_CURSOR
-        if self._index.sharded():  # racks keep the index: their shards, asked together
-            view_bytes = await self._aggregator.view_since.remote(asked)
-            answer = await self._index.since_async(cursor_asked)
-        else:  # the aggregator keeps it: one call for both
-            view_bytes, index_bytes = await self._aggregator.view_and_index_since.remote(
-                asked, cursor_asked
-            )
-            answer = pickle.loads(index_bytes)
-        view = self._reader.apply(view_bytes, asked)
+        view = await self._view_follower.poll()
         if view is None:
-            return
-        if self._replica is None or list(view.rank_to_node) != self._replica.rank_to_node:
-            self._replica = Replica(list(view.rank_to_node))
-            if cursor_asked != NO_CURSOR:  # those ops were for the replica just dropped
-                answer = await self._index.since_async(NO_CURSOR)
-        cursor, ops, whole = answer
-        self._replica.take(tuple(cursor), ops, whole)
-        if self._view is not None and view.version == self._view.version:
             return
         self._view = view
         seen = self._seen()  # read once per view: the limits asked, the engines gated

@@ -12,7 +12,14 @@ ROOT = pathlib.Path(kvfold.__file__).parent
 SHELLS = ("cli", "metrics")
 SHELL_ROOMS = ("cluster", "replay")  # launch; replay over a running kvfold
 # Ray Serve's deployments and router (the rest of serving/ is its pure core)
-SERVE_SHELLS = ("front_door", "door_requests", "door_http", "request_router", "engine_replica")
+SERVE_SHELLS = (
+    "front_door",
+    "door_requests",
+    "door_http",
+    "door_follow",
+    "request_router",
+    "engine_replica",
+)
 
 
 def core_modules() -> list[str]:
