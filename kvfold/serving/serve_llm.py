@@ -1,0 +1,165 @@
+"""kvfold inside a Ray Serve LLM application: a few lines turn a `build_openai_app`
+deployment's replicas into kvfold engine ranks, routed and admitted by kvfold's door.
+
+    plan = ServeLLMRanks.on_loopback(num_replicas)        # where each replica's rank reads
+    kv = launch(n, n, engines=plan.endpoints, wait_fresh=False)
+    start_door(FrontDoorSettings(engine_urls=plan.urls, model_dir=..., namespace=kv.namespace))
+    config = with_kvfold(LLMConfig(...), plan, kv.namespace)   # the same LLMConfig, plus kvfold
+    serve.run(build_openai_app({"llm_configs": [config]}))
+
+What `with_kvfold` changes in the LLMConfig (and nothing else: the application is still
+built by `build_openai_app` and serves the same OpenAI routes):
+- `server_cls` = KVFoldLLMServer (kvfold.serving.serve_llm_server), Ray Serve LLM's own
+  LLMServer with three additions: the replica with Serve rank i publishes its engine's KV
+  events to kvfold rank i (on loopback), serves its engine's numbers page (vLLM's Prometheus
+  series, and /v1/models) on loopback for that rank, and says `kvfold_rank: i` in its
+  routing stats;
+- `deployment_config["request_router_config"]` = kvfold's RequestRouter
+  (kvfold.serving.request_router): the door decides where each request goes, and it waits in
+  kvfold's queue until it fits;
+- `experimental_configs["kvfold"]` = the plan, which every replica reads;
+- `log_engine_metrics` = False: vLLM's own stat logger keeps its series in the replica's
+  process, where the numbers page reads them at once (Ray's would send them to Ray's
+  metrics agent, every 10 s by default); kvfold's Prometheus endpoint exports what the
+  ranks read.
+
+Ray Serve LLM's own KVAwareRouter is plugged in the same two places (a server that
+publishes KV events, a router named in request_router_config); unlike it, nothing here
+binds beyond 127.0.0.1. One machine for now: a replica and its kvfold rank meet on loopback,
+so the plan's ranks and the replicas must share a node (the embedded default).
+
+`with_kvfold` imports Ray Serve LLM, which needs vLLM (kvfold.serving.serve_llm_server): it
+runs where the replicas run (the Serve LLM virtualenv). `ServeLLMRanks` needs neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvfold.engines.endpoints import EngineEndpoints
+
+LOOPBACK = "127.0.0.1"
+PLAN_KEY = "kvfold"
+
+
+@dataclass(frozen=True)
+class RankPorts:
+    events: int  # kvfold's rank binds its SUB here; the replica's engine connects
+    replay: int  # the engine's replay ROUTER binds here
+    numbers: int  # the replica's numbers page (/metrics, /v1/models)
+
+
+@dataclass(frozen=True)
+class ServeLLMRanks:
+    """Where each Serve replica rank's kvfold rank reads its engine, on loopback."""
+
+    ports: tuple[RankPorts, ...]
+
+    @classmethod
+    def on_loopback(cls, num_replicas: int) -> ServeLLMRanks:
+        from kvfold.engines.vllm_settings import free_loopback_port
+
+        if type(num_replicas) is not int or num_replicas < 1:
+            raise ValueError(f"num_replicas={num_replicas!r}: allowed: an int >= 1")
+        return cls(
+            tuple(
+                RankPorts(free_loopback_port(), free_loopback_port(), free_loopback_port())
+                for _ in range(num_replicas)
+            )
+        )
+
+    @property
+    def endpoints(self) -> list[EngineEndpoints]:
+        return [
+            EngineEndpoints(
+                events=f"tcp://{LOOPBACK}:{p.events}",
+                metrics=f"http://{LOOPBACK}:{p.numbers}/metrics",
+                replay=f"tcp://{LOOPBACK}:{p.replay}",
+            )
+            for p in self.ports
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        """Each replica's numbers page: what the door asks for its max_model_len."""
+        return [f"http://{LOOPBACK}:{p.numbers}" for p in self.ports]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ports": [asdict(p) for p in self.ports]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServeLLMRanks:
+        try:
+            return cls(tuple(RankPorts(**p) for p in data["ports"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"experimental_configs[{PLAN_KEY!r}]: not a kvfold plan: {e}") from e
+
+    def kv_events_config(self, rank: int) -> dict[str, Any]:
+        """The engine's KV events for Serve replica `rank`: to its kvfold rank, on loopback."""
+        p = self.of(rank)
+        return {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://{LOOPBACK}:{p.events}",  # connects: kvfold's rank binds
+            "replay_endpoint": f"tcp://{LOOPBACK}:{p.replay}",
+            "topic": "",
+        }
+
+    def of(self, rank: int) -> RankPorts:
+        if not 0 <= rank < len(self.ports):
+            raise ValueError(
+                f"Serve replica rank {rank}: the kvfold plan has ranks 0..{len(self.ports) - 1}; "
+                "allowed: as many replicas as the plan (min_replicas = max_replicas = ranks)"
+            )
+        return self.ports[rank]
+
+
+def with_kvfold(
+    llm_config: Any,
+    plan: ServeLLMRanks,
+    namespace: str,
+    *,
+    model_dir: str | None = None,
+    stats_period_s: float = 1.0,
+) -> Any:
+    """A copy of `llm_config` (a ray.serve.llm.LLMConfig) whose replicas are kvfold's
+    ranks and whose requests kvfold's door routes and admits. `model_dir`: the tokenizer the
+    door reads for text prompts (default: the model's source, when it is a directory)."""
+    from kvfold.serving.request_router import kvfold_router_config
+
+    config = llm_config.model_copy(deep=True)
+    replicas = _fixed_replicas(config.deployment_config)
+    if replicas is not None and replicas != len(plan.ports):
+        raise ValueError(
+            f"deployment_config: {replicas} replicas for a kvfold plan of {len(plan.ports)} "
+            "ranks; allowed: as many replicas as ranks"
+        )
+    if model_dir is None:
+        model_dir = config.model_loading_config.model_source
+    from kvfold.serving.serve_llm_server import KVFoldLLMServer
+
+    config.server_cls = KVFoldLLMServer
+    config.deployment_config["request_router_config"] = kvfold_router_config(
+        namespace, model_dir=model_dir, stats_period_s=stats_period_s
+    )
+    config.experimental_configs[PLAN_KEY] = plan.to_dict()
+    # vLLM's own Prometheus series in each replica's process, where its numbers page reads
+    # them (Ray's stat logger would send them to Ray's metrics agent instead, every 10 s)
+    config.log_engine_metrics = False
+    config.engine_kwargs["disable_log_stats"] = False
+    return config
+
+
+def _fixed_replicas(deployment: dict[str, Any]) -> int | None:
+    if "num_replicas" in deployment and isinstance(deployment["num_replicas"], int):
+        return int(deployment["num_replicas"])
+    auto = deployment.get("autoscaling_config") or {}
+    lo, hi = auto.get("min_replicas"), auto.get("max_replicas")
+    if lo is not None and lo == hi:
+        return int(lo)
+    return None
+
+
+__all__ = ["PLAN_KEY", "RankPorts", "ServeLLMRanks", "with_kvfold"]
+

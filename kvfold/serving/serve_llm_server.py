@@ -1,0 +1,86 @@
+"""KVFoldLLMServer: Ray Serve LLM's LLMServer as one kvfold engine rank (kvfold.serving.
+serve_llm says how an application gets it). Imported where the replicas run: it subclasses
+Ray Serve LLM's server, which needs vLLM.
+
+The replica with Serve rank i (`serve.get_replica_context().rank.rank`):
+- starts its engine with KV events published to kvfold rank i's socket on 127.0.0.1 (the
+  rank binds it; vLLM's publisher connects) and a replay socket bound on 127.0.0.1;
+- serves its engine's numbers page on 127.0.0.1: /metrics, vLLM's own Prometheus series
+  from this process, read from the registry vLLM's own /metrics reads (its
+  PrometheusStatLogger writes there), and /v1/models with the engine's max_model_len (what kvfold's door asks);
+- says `kvfold_rank: i` in its routing stats, beside Ray Serve LLM's own, so kvfold's
+  RequestRouter sends rank i's requests to it.
+
+Its Serve replica's gRPC server binds the node's address, not every interface
+(kvfold.serving.serve_loopback), as kvfold's own deployments do.
+
+A replica Serve restarts takes the same rank: its engine's sequence numbers start over,
+and kvfold's rank sees a new incarnation (its old blocks leave the index).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ray import serve
+from ray.serve.llm.deployment import LLMServer
+
+from kvfold.serving.serve_llm import LOOPBACK, PLAN_KEY, ServeLLMRanks
+from kvfold.serving.serve_loopback import keep_replica_grpc_on_node_address
+
+keep_replica_grpc_on_node_address()  # imported with the deployment, before its replica serves
+
+
+class KVFoldLLMServer(LLMServer):  # type: ignore[misc]
+    async def __init__(self, llm_config: Any, **kwargs: Any) -> None:
+        plan = ServeLLMRanks.from_dict(llm_config.experimental_configs[PLAN_KEY])
+        self._kvfold_rank = int(serve.get_replica_context().rank.rank)
+        ports = plan.of(self._kvfold_rank)
+        llm_config = llm_config.model_copy(deep=True)
+        llm_config.update_engine_kwargs(kv_events_config=plan.kv_events_config(self._kvfold_rank))
+        self._kvfold_page: Any = None
+        await super().__init__(llm_config, **kwargs)
+        self._kvfold_page = await serve_numbers_page(ports.numbers, llm_config)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        stats = dict(await super().record_routing_stats())
+        stats["kvfold_rank"] = self._kvfold_rank
+        return stats
+
+
+async def serve_numbers_page(port: int, llm_config: Any) -> Any:
+    """/metrics (vLLM's Prometheus registry in this process) and /v1/models on
+    127.0.0.1:`port`."""
+    from aiohttp import web
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    registry = get_prometheus_registry()  # as vLLM's own /metrics: multiprocess where it is
+
+    card = {
+        "id": llm_config.model_id,
+        "object": "model",
+        "max_model_len": llm_config.engine_kwargs.get("max_model_len"),
+    }
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def models(_: web.Request) -> web.Response:
+        return web.Response(
+            text=json.dumps({"object": "list", "data": [card]}), content_type="application/json"
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, port).start()
+    return runner
+
+
+__all__ = ["KVFoldLLMServer", "serve_numbers_page"]
