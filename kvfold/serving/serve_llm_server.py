@@ -7,7 +7,8 @@ The replica with Serve rank i (`serve.get_replica_context().rank.rank`):
   rank binds it; vLLM's publisher connects) and a replay socket bound on 127.0.0.1;
 - serves its engine's numbers page on 127.0.0.1: /metrics, vLLM's own Prometheus series
   from this process, read from the registry vLLM's own /metrics reads (its
-  PrometheusStatLogger writes there), and /v1/models with the engine's max_model_len (what kvfold's door asks);
+  PrometheusStatLogger writes there), and /v1/models with the engine's max_model_len
+  (what kvfold's door asks);
 - says `kvfold_rank: i` in its routing stats, beside Ray Serve LLM's own, so kvfold's
   RequestRouter sends rank i's requests to it.
 
@@ -25,6 +26,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve.llm.deployment import LLMServer
+from ray.serve.llm.ingress import OpenAiIngress
 
 from kvfold.serving.serve_llm import LOOPBACK, PLAN_KEY, ServeLLMRanks
 from kvfold.serving.serve_loopback import keep_replica_grpc_on_node_address
@@ -32,8 +34,9 @@ from kvfold.serving.serve_loopback import keep_replica_grpc_on_node_address
 keep_replica_grpc_on_node_address()  # imported with the deployment, before its replica serves
 
 
-class KVFoldLLMServer(LLMServer):  # type: ignore[misc]
-    async def __init__(self, llm_config: Any, **kwargs: Any) -> None:
+class KVFoldLLMServer(LLMServer):
+    # Ray Serve LLM's servers start in an async constructor (Serve awaits it)
+    async def __init__(self, llm_config: Any, **kwargs: Any) -> None:  # type: ignore[misc]
         plan = ServeLLMRanks.from_dict(llm_config.experimental_configs[PLAN_KEY])
         self._kvfold_rank = int(serve.get_replica_context().rank.rank)
         ports = plan.of(self._kvfold_rank)
@@ -47,6 +50,11 @@ class KVFoldLLMServer(LLMServer):  # type: ignore[misc]
         stats = dict(await super().record_routing_stats())
         stats["kvfold_rank"] = self._kvfold_rank
         return stats
+
+
+class KVFoldOpenAiIngress(OpenAiIngress):
+    """Ray Serve LLM's OpenAI ingress, unchanged but for where its replica's gRPC server
+    binds (this module's import: the node's address, not every interface)."""
 
 
 async def serve_numbers_page(port: int, llm_config: Any) -> Any:
@@ -83,4 +91,4 @@ async def serve_numbers_page(port: int, llm_config: Any) -> Any:
     return runner
 
 
-__all__ = ["KVFoldLLMServer", "serve_numbers_page"]
+__all__ = ["KVFoldLLMServer", "KVFoldOpenAiIngress", "serve_numbers_page"]

@@ -1,0 +1,139 @@
+"""kvfold inside a real Ray Serve LLM application (kvfold.serving.serve_llm): two vLLM replicas
+on CPU built by Ray Serve LLM's own `build_openai_app`, with `with_kvfold` added. Runs in the
+Serve LLM virtualenv (`make test` builds it and runs this directory there):
+- the replicas are kvfold's engine ranks, fresh in the view, with the engines' own capacity;
+- requests through Serve's OpenAI route, one at a time (text and token ids): the engine's own
+  `cached_tokens` equals what kvfold's index predicts for the prompt, request by request;
+- nothing this starts listens beyond loopback, every socket listed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="runs in the Serve LLM virtualenv (make test)")
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MODEL = str(REPO / "examples" / "models" / "small-llama")
+EXAMPLE = REPO / "examples" / "serve_llm_kvfold.py"
+B = 32  # tokens per block
+BLOCKS = 512
+REPLICAS = 2
+
+
+def _example() -> Any:
+    """examples/serve_llm_kvfold.py, the users' example: this directory runs it."""
+    spec = importlib.util.spec_from_file_location("serve_llm_kvfold", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return dict(json.loads(r.read()))
+
+
+@pytest.fixture(scope="module")
+def example() -> Any:
+    return _example()
+
+
+@pytest.fixture(scope="module")
+def app(example: Any) -> Iterator[Any]:
+    with example.serve_llm_with_kvfold(REPLICAS, BLOCKS) as running:
+        yield running
+
+
+def test_the_example_follows_a_shared_prefix(example: Any, app: Any) -> None:
+    cached = example.show(app)
+    assert cached[0] == 0 and all(c >= 12 * 8 for c in cached[1:]), cached  # its prefix
+
+
+def test_the_replicas_are_kvfold_ranks_with_their_engines_capacity(app: Any) -> None:
+    view = app.kv.view()
+    ranks = [r for node in view.nodes for r in node.ranks]
+    assert [r.rank for r in ranks] == list(range(REPLICAS))
+    for r in ranks:
+        assert r.state.value == "fresh", r
+        gauges = r.gpu[None]
+        # vLLM's own count (one of its blocks is its null block), read from the replica
+        assert gauges.num_blocks_total == BLOCKS - 1 and gauges.tokens_per_block == B
+    for url in app.plan.urls:  # each replica's numbers page is on loopback, vLLM's series
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            assert "vllm:cache_config_info{" in r.read().decode()
+
+
+def _held_everywhere(app: Any, ids: list[int]) -> int:
+    index = app.kv.client.index()
+    return max(index.match(ids).gpu.get(r, 0) for r in range(REPLICAS))
+
+
+def test_the_index_predicts_each_requests_cached_tokens_through_serve_llm(app: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    shared = " the rank holds a block of the cache and the node" * 8
+    other = " a request waits in the queue for an engine" * 9
+    prompts: list[str | list[int]] = [
+        shared + " one",
+        shared + " two",
+        other + " one",
+        shared + " three",
+        other + " two",
+    ]
+    prompts.append(tok.encode(shared + " four"))  # token ids, the same prefix
+    total = 0
+    for i, prompt in enumerate(prompts):
+        ids = list(prompt) if isinstance(prompt, list) else tok.encode(prompt)
+        predicted = _held_everywhere(app, ids) * B
+        answer = post(app.url + "/v1/completions", {"model": "tiny-llama", "prompt": prompt,
+                                                    "max_tokens": 4, "temperature": 0})  # fmt: skip
+        got = int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        assert got == predicted, f"request {i}: the engine reused {got}, kvfold said {predicted}"
+        total += got
+        deadline = time.monotonic() + 30  # its blocks reach the index before the next
+        while _held_everywhere(app, ids) < len(ids) // B:
+            assert time.monotonic() < deadline, f"request {i}'s blocks never reached the index"
+            time.sleep(0.1)
+    assert total >= 3 * (len(tok.encode(shared)) // B) * B  # the shared prefix was followed
+
+
+def _loopback(ip: str) -> bool:
+    import ipaddress
+
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is 127.0.0.1
+    return bool(addr.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def test_nothing_it_starts_listens_beyond_loopback(app: Any) -> None:
+    """Every listening socket of every process this test started: Ray's, Serve's (the
+    proxy, the controller, Ray Serve LLM's ingress and its replicas, their gRPC servers),
+    vLLM's (the replay sockets) and kvfold's (ranks, numbers pages, the door)."""
+    import psutil
+
+    wide = []
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN and not _loopback(c.laddr.ip):
+                    wide.append((p.pid, " ".join(p.cmdline())[:80], c.laddr))
+        except psutil.Error:
+            continue
+    assert wide == [], wide
