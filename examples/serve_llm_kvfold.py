@@ -39,9 +39,12 @@ class Running:
 
 
 @contextmanager
-def serve_llm_with_kvfold(replicas: int = 2, blocks: int = 512) -> Iterator[Running]:
-    """An embedded Ray cluster, kvfold with one rank per replica, its door, and the Ray Serve
-    LLM application; stopped on exit."""
+def serve_llm_with_kvfold(
+    replicas: int = 2, blocks: int = 512, queue_timeout_s: float = 60.0
+) -> Iterator[Running]:
+    """An embedded Ray cluster, kvfold with one rank per replica, its door (a request waits
+    there at most `queue_timeout_s`, then 429), and the Ray Serve LLM application, each
+    engine with KV of `blocks` blocks; stopped on exit."""
     os.environ.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
     from kvfold.cluster import launch, start_local_cluster
     from kvfold.engines.vllm_settings import free_loopback_port
@@ -63,7 +66,8 @@ def serve_llm_with_kvfold(replicas: int = 2, blocks: int = 512) -> Iterator[Runn
         kv = launch(replicas, replicas, engines=plan.endpoints, wait_fresh=False)
         door = start_door(
             FrontDoorSettings(engine_urls=tuple(plan.urls), model_dir=MODEL,
-                              namespace=kv.namespace), detached=True,
+                              namespace=kv.namespace, queue_timeout_s=queue_timeout_s),
+            detached=True,
         )  # fmt: skip
         # -- the Ray Serve LLM application, as its users write it ... --------------------
         config = LLMConfig(

@@ -42,7 +42,21 @@ class RankUnavailable(KVFoldError):
 
 class DoorRefused(KVFoldError, RuntimeError):
     """The front door did not admit the request; the message says why (NotAdmitted's
-    reason). Raised by kvfold's Serve RequestRouter in the handle caller's process."""
+    reason). Raised by kvfold's Serve RequestRouter in the handle caller's process.
+    `http_status`: what an HTTP ingress answers (429 with `retry_after_s` for a full queue
+    or a deadline passed, 400 for a request no engine can take, 503 with no door or no
+    engine known yet)."""
+
+    def __init__(
+        self, message: str, http_status: int = 503, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message, http_status, retry_after_s)  # all three survive pickling
+        self.message = message
+        self.http_status = http_status
+        self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class PlacementError(KVFoldError):

@@ -69,7 +69,8 @@ class KVFoldRequestRouter(RequestRouter):
                 req = _request_of(pending_request)
                 ids = self._ids(req)
             except BadRequest as e:
-                return self._refuse(pending_request, DoorRefused(str(e)), candidate_replicas)
+                bad = DoorRefused(str(e), http_status=400)
+                return self._refuse(pending_request, bad, candidate_replicas)
             rid = f"router-{uuid.uuid4().hex}"
             try:
                 door = self._the_door()
@@ -83,8 +84,9 @@ class KVFoldRequestRouter(RequestRouter):
             if isinstance(admitted, NotAdmitted) and admitted.reason == "engines_unknown":
                 return _later(pending_request)  # the door has not seen the engines yet
             if isinstance(admitted, NotAdmitted):
-                return self._refuse(pending_request, DoorRefused(admitted.message),
-                                    candidate_replicas)  # fmt: skip
+                refused = DoorRefused(admitted.message, admitted.http_status,
+                                      admitted.retry_after_s)  # fmt: skip
+                return self._refuse(pending_request, refused, candidate_replicas)
             held = self._admitted[key] = (rid, admitted)
         rank = held[1].rank
         chosen = [r for r in candidate_replicas if r.routing_stats.get("kvfold_rank") == rank]

@@ -22,12 +22,14 @@ and kvfold's rank sees a new incarnation (its old blocks leave the index).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from ray import serve
 from ray.serve.llm.deployment import LLMServer
 from ray.serve.llm.ingress import OpenAiIngress
 
+from kvfold.errors import DoorRefused
 from kvfold.serving.serve_llm import LOOPBACK, PLAN_KEY, ServeLLMRanks
 from kvfold.serving.serve_loopback import keep_replica_grpc_on_node_address
 
@@ -53,8 +55,29 @@ class KVFoldLLMServer(LLMServer):
 
 
 class KVFoldOpenAiIngress(OpenAiIngress):
-    """Ray Serve LLM's OpenAI ingress, unchanged but for where its replica's gRPC server
-    binds (this module's import: the node's address, not every interface)."""
+    """Ray Serve LLM's OpenAI ingress, with two changes: its replica's gRPC server binds the
+    node's address, not every interface (this module's import); and a request kvfold's door
+    refuses gets the door's answer, in OpenAI's error shape (429 with Retry-After when its
+    queue is full or its deadline passed, 400 when no engine can take it, 503 when no
+    engine is known yet), not a 500."""
+
+    async def _process_llm_request(
+        self, body: Any, call_method: str, raw_request: Any = None
+    ) -> Any:
+        try:
+            return await super()._process_llm_request(body, call_method, raw_request)
+        except DoorRefused as e:
+            return refused_response(e)
+
+
+def refused_response(e: DoorRefused) -> Any:
+    from fastapi.responses import JSONResponse
+
+    headers = {}
+    if e.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
+    error = {"message": str(e), "type": "kvfold_refused", "code": e.http_status}
+    return JSONResponse({"error": error}, status_code=e.http_status, headers=headers)
 
 
 async def serve_numbers_page(port: int, llm_config: Any) -> Any:
@@ -91,4 +114,4 @@ async def serve_numbers_page(port: int, llm_config: Any) -> Any:
     return runner
 
 
-__all__ = ["KVFoldLLMServer", "KVFoldOpenAiIngress", "serve_numbers_page"]
+__all__ = ["KVFoldLLMServer", "KVFoldOpenAiIngress", "refused_response", "serve_numbers_page"]

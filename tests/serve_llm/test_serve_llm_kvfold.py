@@ -14,6 +14,7 @@ import os
 import pathlib
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +27,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = str(REPO / "examples" / "models" / "small-llama")
 EXAMPLE = REPO / "examples" / "serve_llm_kvfold.py"
 B = 32  # tokens per block
-BLOCKS = 512
+BLOCKS = 96  # per engine: a burst of long requests overflows it
+QUEUE_TIMEOUT_S = 1.0  # in kvfold's queue; then 429
 REPLICAS = 2
 
 
@@ -55,7 +57,7 @@ def example() -> Any:
 
 @pytest.fixture(scope="module")
 def app(example: Any) -> Iterator[Any]:
-    with example.serve_llm_with_kvfold(REPLICAS, BLOCKS) as running:
+    with example.serve_llm_with_kvfold(REPLICAS, BLOCKS, QUEUE_TIMEOUT_S) as running:
         yield running
 
 
@@ -112,6 +114,60 @@ def test_the_index_predicts_each_requests_cached_tokens_through_serve_llm(app: A
             assert time.monotonic() < deadline, f"request {i}'s blocks never reached the index"
             time.sleep(0.1)
     assert total >= 3 * (len(tok.encode(shared)) // B) * B  # the shared prefix was followed
+
+
+def _preemptions(app: Any) -> int:
+    from kvfold.engines.vllm_metrics import parse_vllm_metrics
+
+    total = 0
+    for url in app.plan.urls:  # each replica's engine's own counter
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            total += int(parse_vllm_metrics(r.read().decode())["0"].num_preemptions or 0)
+    return total
+
+
+def _send(url: str, prompt: list[int], max_tokens: int) -> tuple[int, Any, str]:
+    """Its status, its headers (case-insensitive), its body."""
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode()
+
+
+def test_a_burst_past_the_engines_kv_never_preempts_and_each_request_ends(app: Any) -> None:
+    """Twenty requests at once, each promised 23 of an engine's 95 blocks, each decoding 128
+    tokens: the engines hold 4 each. Serve's router asks kvfold for at most 2 per replica at
+    a time (the rest wait in Serve's handle queue); those kvfold cannot place within its
+    queue deadline (1 s here) are answered 429 with Retry-After through Ray Serve LLM's
+    OpenAI ingress. None waits forever, none fails otherwise, and the engines' own
+    preemption counters do not move."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 1000) for _ in range(600)] for _ in range(20)]
+    before = _preemptions(app)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: _send(app.url, p, 128), prompts))
+    statuses = sorted(status for status, _, _ in answers)
+    assert set(statuses) <= {200, 429}, answers
+    assert statuses.count(200) >= 2 * 4, statuses  # what the engines hold, and more
+    refused = [(h, text) for status, h, text in answers if status == 429]
+    assert refused, statuses  # the engines' KV stayed full past the queue's deadline
+    for headers, text in refused:
+        assert int(headers.get("Retry-After")) >= 1, dict(headers)
+        error = json.loads(text)["error"]
+        assert error["code"] == 429 and error["type"] == "kvfold_refused", text
+    for status, _, text in answers:
+        if status == 200:
+            assert json.loads(text)["usage"]["completion_tokens"] == 128
+    assert _preemptions(app) == before
 
 
 def _loopback(ip: str) -> bool:
