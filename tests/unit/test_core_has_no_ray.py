@@ -17,6 +17,7 @@ SERVE_SHELLS = (
     "door_requests",
     "door_http",
     "door_follow",
+    "serve_llm_server",  # Ray Serve LLM's server and ingress, kvfold's way
     "request_router",
     "engine_replica",
 )
