@@ -1,6 +1,7 @@
 """Ray Serve LLM's application as a subprocess: the anchor arms `serve_llm_default` and
 `serve_llm_prefix` of `kvfold bench-serve`. Standard library only; the application runs in
 the Serve LLM virtualenv (`make serve-llm-venv`) with a Ray instance of its own
+(`serve_llm_kvfold`: with kvfold inside it, kvfold.serving.serve_llm)
 (kvfold.bench.serve_llm_app), because Ray Serve LLM starts its engines inside its replicas
 and needs Ray and vLLM in one environment.
 
@@ -30,11 +31,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from kvfold.bench.bench_serve import EngineCounters
+from kvfold.bench.bench_serve import EngineCounters, engine_counters
 from kvfold.engines.vllm_server import EngineStartError, stop_process_group
 from kvfold.engines.vllm_settings import LOOPBACK, free_loopback_port
 
-ROUTERS = ("default", "prefix")
+ROUTERS = ("default", "prefix", "kvfold")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -83,6 +84,7 @@ class ServeLlmApp:
         self.metrics_port = free_loopback_port()
         self.log_path = ""
         self.ready_s: float | None = None
+        self.numbers: list[str] = []  # with kvfold: the replicas' numbers pages
         self._proc: subprocess.Popen[bytes] | None = None
         self._ready = threading.Event()
 
@@ -121,7 +123,9 @@ class ServeLlmApp:
                 log.write(line)
                 log.flush()
                 if line.startswith(b"READY "):
-                    self.ready_s = float(json.loads(line[6:])["ready_s"])
+                    ready = json.loads(line[6:])
+                    self.ready_s = float(ready["ready_s"])
+                    self.numbers = list(ready.get("numbers") or [])
                     self._ready.set()
 
     def wait_ready(self, timeout_s: float = 900.0) -> float:
@@ -146,7 +150,10 @@ class ServeLlmApp:
             return str(r.read().decode())
 
     def counters(self) -> EngineCounters:
-        """The replicas' engines' own counters, summed (Ray's metrics page)."""
+        """The replicas' engines' own counters, summed (Ray's metrics page; with kvfold, the
+        replicas' numbers pages, vLLM's own series)."""
+        if self.numbers:
+            return engine_counters(self.numbers)
         m = ray_vllm_totals(self.metrics_text())
         return EngineCounters(
             cached_tokens=int(m.get("ray_vllm_prefix_cache_hits_total", 0)),
@@ -165,13 +172,11 @@ class ServeLlmApp:
         deadline = time.monotonic() + timeout_s
         last = None
         while True:
-            page = ray_vllm_totals(self.metrics_text())
-            idle = not page.get("ray_vllm_num_requests_running") and not page.get(
-                "ray_vllm_num_requests_waiting"
-            )
-            if idle and page == last:
-                return self.counters()
-            last = page
+            now = self.counters()
+            idle = now.running == 0 and now.waiting == 0
+            if idle and now == last:
+                return now
+            last = now
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Serve LLM's engines still moving after {timeout_s} s")
             time.sleep(3.0)

