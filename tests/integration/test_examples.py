@@ -56,7 +56,7 @@ def test_example_runs_and_prints_what_it_claims(name: str) -> None:
 
 
 # run elsewhere in `make test`, in the virtualenv they need
-ELSEWHERE = {"serve_llm_kvfold.py": "tests/serve_llm, in the Serve LLM virtualenv"}
+ELSEWHERE = {"serve_llm_kvfold.py": "tests/serve_llm, in the engine virtualenv"}
 
 
 def test_every_example_is_run_here() -> None:

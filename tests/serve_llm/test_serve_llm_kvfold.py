@@ -1,6 +1,7 @@
 """kvfold inside a real Ray Serve LLM application (kvfold.serving.serve_llm): two vLLM replicas
 on CPU built by Ray Serve LLM's own `build_openai_app`, with `with_kvfold` added. Runs in the
-Serve LLM virtualenv (`make test` builds it and runs this directory there):
+engine virtualenv, where Ray Serve LLM lives beside vLLM (`make test` builds it and runs this
+directory there):
 - the replicas are kvfold's engine ranks, fresh in the view, with the engines' own capacity;
 - requests through Serve's OpenAI route, one at a time (text and token ids): the engine's own
   `cached_tokens` equals what kvfold's index predicts for the prompt, request by request;
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="runs in the Serve LLM virtualenv (make test)")
+pytest.importorskip("vllm", reason="runs in the engine virtualenv (make test)")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = str(REPO / "examples" / "models" / "small-llama")

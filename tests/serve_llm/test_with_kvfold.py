@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-pytest.importorskip("vllm", reason="runs in the Serve LLM virtualenv (make test)")
+pytest.importorskip("vllm", reason="runs in the engine virtualenv (make test)")
 
 from ray.serve.llm import LLMConfig
 

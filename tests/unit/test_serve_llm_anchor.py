@@ -124,7 +124,7 @@ def test_vllms_counters_on_rays_metrics_page_are_summed_over_replicas() -> None:
 def test_a_serve_llm_app_without_its_virtualenv_or_with_a_bad_router_is_refused(
     tmp_path: pathlib.Path,
 ) -> None:
-    with pytest.raises(ValueError, match="make serve-llm-venv"):
+    with pytest.raises(ValueError, match=r"builds \.venv-engine"):
         ServeLlmApp(str(tmp_path / "no-python"), "default", 2, {}, MODEL)
     python = tmp_path / "python"
     python.write_text("")

@@ -4,7 +4,7 @@ the plan does not hold refused by name."""
 
 import pytest
 
-from kvfold.serving.serve_llm import ServeLLMRanks
+from kvfold.serving.serve_llm_plan import ServeLLMRanks
 
 
 def test_a_plan_gives_each_replica_its_own_loopback_ports() -> None:
