@@ -13,9 +13,6 @@ engines, four ways in one run, judged by the engines' own counters and the clien
                     their engines started with the same vLLM arguments, behind its default
                     router (power of two choices) or its PrefixCacheAffinityRouter (a text
                     prefix tree: prompts go as their text, which tokenizes to the same ids)
-    serve_llm_kvfold
-                    the same application with kvfold inside it (kvfold.serving.serve_llm):
-                    kvfold's ranks, door and router
     least_loaded    kvfold's front door, least committed engine
     precise_prefix  kvfold's front door, by what each engine holds (the block index)
 
@@ -53,7 +50,6 @@ ARMS = (
     "vllm_router_kv_aware",
     "serve_llm_default",
     "serve_llm_prefix",
-    "serve_llm_kvfold",
     "least_loaded",
     "precise_prefix",
 )

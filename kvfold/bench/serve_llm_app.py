@@ -11,7 +11,9 @@ default's settings, kvfold.ray_env), Serve's proxy on 127.0.0.1:P, and the appli
 - `default`: Serve LLM's default (power of two choices);
 - `prefix`: its `PrefixCacheAffinityRouter`;
 - `kvfold`: kvfold, launched on the same Ray instance with a rank per replica, its door and
-  router added by kvfold.serving.serve_llm.
+  router added by kvfold.serving.serve_llm. Not yet an arm of bench-serve: in its one bench
+  run the door never found kvfold's aggregator (launched in another namespace than the
+  door asked); the namespace is now the driver's, not yet run again.
 Each replica's engine reports vLLM's own metrics through Ray (`log_engine_metrics`), which
 Ray's metrics agent serves on 127.0.0.1:Q; with kvfold, vLLM's series stay in the replicas,
 on their numbers pages. When /v1/models answers it prints one line, `READY {json}` (with the
@@ -88,8 +90,7 @@ def with_kvfold_here(args: argparse.Namespace, builder: dict[str, Any]) -> list[
     from kvfold.serving.settings import FrontDoorSettings
 
     plan = ServeLLMRanks.on_loopback(args.replicas)
-    kv = launch(args.replicas, args.replicas, engines=plan.endpoints, wait_fresh=False,
-                namespace=KVFOLD_NAMESPACE)  # fmt: skip
+    kv = launch(args.replicas, args.replicas, engines=plan.endpoints, wait_fresh=False)
     start_door(
         FrontDoorSettings(engine_urls=tuple(plan.urls), model_dir=args.model_dir,
                           namespace=kv.namespace, queue_timeout_s=300.0, queue_limit=4096),
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(
         _node_ip_address="127.0.0.1", num_cpus=2 * args.replicas + 4, include_dashboard=False,
         _metrics_export_port=args.metrics_port, num_gpus=args.replicas,
+        namespace=KVFOLD_NAMESPACE,
     )  # fmt: skip
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
