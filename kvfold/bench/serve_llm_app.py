@@ -11,9 +11,10 @@ default's settings, kvfold.ray_env), Serve's proxy on 127.0.0.1:P, and the appli
 - `default`: Serve LLM's default (power of two choices);
 - `prefix`: its `PrefixCacheAffinityRouter`;
 - `kvfold`: kvfold, launched on the same Ray instance with a rank per replica, its door and
-  router added by kvfold.serving.serve_llm. Not yet an arm of bench-serve: in its one bench
-  run the door never found kvfold's aggregator (launched in another namespace than the
-  door asked); the namespace is now the driver's, not yet run again.
+  router added by kvfold.serving.serve_llm. Not yet an arm of bench-serve: started here,
+  the door never finds kvfold's aggregator (in two tries, the second with the driver's
+  namespace as kvfold's); where launch stops on this plain `ray.init` instance is not
+  found yet. tests/serve_llm runs the same pieces on an embedded cluster, where they work.
 Each replica's engine reports vLLM's own metrics through Ray (`log_engine_metrics`), which
 Ray's metrics agent serves on 127.0.0.1:Q; with kvfold, vLLM's series stay in the replicas,
 on their numbers pages. When /v1/models answers it prints one line, `READY {json}` (with the

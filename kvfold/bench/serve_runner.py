@@ -29,7 +29,7 @@ VLLM_ROUTER_ARMS = {
 
 # Ray Serve LLM's application (its own replicas' engines, same vLLM arguments), text prompts
 # (serve_llm_app's --router kvfold, for a serve_llm_kvfold arm, does not start yet: its door
-# never found kvfold's aggregator in a bench run; not offered until it does)
+# never finds kvfold's aggregator there; not offered until it does)
 SERVE_LLM_ARMS = {"serve_llm_default": "default", "serve_llm_prefix": "prefix"}
 
 
