@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvfold.bench.bench_serve import EngineCounters, engine_counters
-from kvfold.engines.vllm_server import EngineStartError, stop_process_group
+from kvfold.engines.vllm_server import EngineStartError, log_tail, stop_process_group
 from kvfold.engines.vllm_settings import LOOPBACK, free_loopback_port
 
 ROUTERS = ("default", "prefix", "kvfold")
@@ -182,10 +182,7 @@ class ServeLlmApp:
             time.sleep(3.0)
 
     def log_tail(self, num_lines: int = 40) -> str:
-        if not self.log_path or not os.path.exists(self.log_path):
-            return "(no log)"
-        lines = Path(self.log_path).read_text(errors="replace").splitlines()[-num_lines:]
-        return "\n".join(lines)
+        return log_tail(self.log_path, num_lines)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Close its stdin (it stops Serve and Ray), then end its process group."""

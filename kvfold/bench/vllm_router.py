@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvfold.engines.vllm_server import EngineStartError, stop_process_group
+from kvfold.engines.vllm_server import EngineStartError, log_tail, stop_process_group
 from kvfold.engines.vllm_settings import LOOPBACK, free_loopback_port
 
 POLICIES = ("power_of_two", "cache_aware", "kv_aware", "round_robin")
@@ -128,10 +128,7 @@ class VllmRouter:
             return str(r.read().decode())
 
     def log_tail(self, num_lines: int = 30) -> str:
-        if not self.log_path or not os.path.exists(self.log_path):
-            return "(no log)"
-        lines = Path(self.log_path).read_text(errors="replace").splitlines()[-num_lines:]
-        return "\n".join(lines)
+        return log_tail(self.log_path, num_lines)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self._proc is not None:

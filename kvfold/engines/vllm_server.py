@@ -195,10 +195,7 @@ class VLLMServer:
             time.sleep(0.25)
 
     def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
-        if self.log_path is None or not os.path.exists(self.log_path):
-            return "(no log)"
-        lines = Path(self.log_path).read_text(errors="replace").splitlines()[-num_lines:]
-        return f"last {len(lines)} lines of {self.log_path}:\n" + "\n".join(lines)
+        return log_tail(self.log_path, num_lines)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL it if still there after `timeout_s`, and
@@ -272,6 +269,14 @@ class VLLMServer:
             raise EngineRequestError(path, e.code, detail) from e
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise EngineRequestError(path, 0, repr(e)) from e
+
+
+def log_tail(path: str | None, num_lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of a subprocess's log file, to put in an error."""
+    if not path or not os.path.exists(path):
+        return "(no log)"
+    lines = Path(path).read_text(errors="replace").splitlines()[-num_lines:]
+    return f"last {len(lines)} lines of {path}:\n" + "\n".join(lines)
 
 
 def stop_process_group(leader: subprocess.Popen[bytes], timeout_s: float) -> None:

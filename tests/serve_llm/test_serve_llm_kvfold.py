@@ -14,7 +14,6 @@ import json
 import os
 import pathlib
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="runs in the engine virtualenv (make test)")
+from tests.integration.conftest import wait_until
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = str(REPO / "examples" / "models" / "small-llama")
@@ -110,10 +109,8 @@ def test_the_index_predicts_each_requests_cached_tokens_through_serve_llm(app: A
         assert answer["usage"]["prompt_tokens"] == len(ids)
         assert got == predicted, f"request {i}: the engine reused {got}, kvfold said {predicted}"
         total += got
-        deadline = time.monotonic() + 30  # its blocks reach the index before the next
-        while _held_everywhere(app, ids) < len(ids) // B:
-            assert time.monotonic() < deadline, f"request {i}'s blocks never reached the index"
-            time.sleep(0.1)
+        # its blocks reach the index before the next
+        wait_until(lambda ids=ids: _held_everywhere(app, ids) >= len(ids) // B, timeout_s=30)
     assert total >= 3 * (len(tok.encode(shared)) // B) * B  # the shared prefix was followed
 
 

@@ -8,9 +8,6 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-
-pytest.importorskip("vllm", reason="runs in the engine virtualenv (make test)")
-
 from ray.serve.llm import LLMConfig
 
 from kvfold.serving.serve_llm import PLAN_KEY, ServeLLMRanks, kvfold_ingress, with_kvfold
