@@ -90,7 +90,12 @@ class KVFoldRequestRouter(RequestRouter):
             held = self._admitted[key] = (rid, admitted)
         rank = held[1].rank
         chosen = [r for r in candidate_replicas if r.routing_stats.get("kvfold_rank") == rank]
-        return [chosen] if chosen else _later(pending_request)  # its replica not seen yet
+        if chosen:
+            return [chosen]
+        # its rank has no replica now (not seen yet, or it died): the promise is given back
+        # and the request placed anew after a backoff, by then the door may know better
+        self.on_request_completed(None, key)
+        return _later(pending_request)
 
     def _refuse(
         self, pending: PendingRequest, error: Exception, candidates: list[RunningReplica]

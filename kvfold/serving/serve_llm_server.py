@@ -22,16 +22,22 @@ and kvfold's rank sees a new incarnation (its old blocks leave the index).
 from __future__ import annotations
 
 import json
+import logging
 import math
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.llm.deployment import LLMServer
 from ray.serve.llm.ingress import OpenAiIngress
 
 from kvfold.errors import DoorRefused
+from kvfold.serving.forward import error_body, sse_error
 from kvfold.serving.serve_llm_plan import LOOPBACK, PLAN_KEY, ServeLLMRanks
 from kvfold.serving.serve_loopback import keep_replica_grpc_on_node_address
+
+log = logging.getLogger("kvfold")
 
 keep_replica_grpc_on_node_address()  # imported with the deployment, before its replica serves
 
@@ -55,19 +61,68 @@ class KVFoldLLMServer(LLMServer):
 
 
 class KVFoldOpenAiIngress(OpenAiIngress):
-    """Ray Serve LLM's OpenAI ingress, with two changes: its replica's gRPC server binds the
-    node's address, not every interface (this module's import); and a request kvfold's door
-    refuses gets the door's answer, in OpenAI's error shape (429 with Retry-After when its
-    queue is full or its deadline passed, 400 when no engine can take it, 503 when no
-    engine is known yet), not a 500."""
+    """Ray Serve LLM's OpenAI ingress, with three changes:
+    - its replica's gRPC server binds the node's address, not every interface (this
+      module's import);
+    - a request kvfold's door refuses gets the door's answer, in OpenAI's error shape (429
+      with Retry-After when its queue is full or its deadline passed, 400 when no engine
+      can take it, 503 when no engine is known yet), not a 500;
+    - a request whose replica dies: before anything reached the client, it is sent once
+      more (kvfold's router places it anew; the dead replica's promise was freed when Serve
+      saw its call end), and a second death is answered 502 `engine_failed`; after its
+      stream began, the stream ends with an `engine_failed` error event naming the failure,
+      where Ray Serve LLM's own ingress would cut it off with no word."""
 
     async def _process_llm_request(
         self, body: Any, call_method: str, raw_request: Any = None
     ) -> Any:
-        try:
-            return await super()._process_llm_request(body, call_method, raw_request)
-        except DoorRefused as e:
-            return refused_response(e)
+        from fastapi.responses import StreamingResponse
+
+        for attempt in range(REPLICA_DEATH_TRIES):
+            try:
+                response = await super()._process_llm_request(body, call_method, raw_request)
+            except DoorRefused as e:
+                return refused_response(e)
+            except RayActorError as e:  # its replica died before its first answer
+                if attempt + 1 < REPLICA_DEATH_TRIES:
+                    log.warning("kvfold: a replica died before answering; sent again: %s",
+                                _first_line(e))  # fmt: skip
+                    continue
+                return engine_failed_response(e)
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = ends_with_error_event(response.body_iterator)
+            return response
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+REPLICA_DEATH_TRIES = 2  # a request is sent at most twice when its replica dies
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def engine_failed_message(e: BaseException) -> str:
+    return f"the engine replica serving this request failed: {_first_line(e)}"
+
+
+def engine_failed_response(e: BaseException) -> Any:
+    from fastapi.responses import Response
+
+    body = error_body(engine_failed_message(e), "engine_failed", 502)
+    return Response(body, status_code=502, media_type="application/json")
+
+
+async def ends_with_error_event(chunks: AsyncIterable[Any]) -> AsyncIterator[Any]:
+    """The stream as it comes; if its replica dies part way, one last Server-Sent Event,
+    `engine_failed`, that names the failure (its client would otherwise see the stream end
+    with no [DONE] and no reason)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except RayActorError as e:
+        yield sse_error(engine_failed_message(e), "engine_failed", 502)
 
 
 def refused_response(e: DoorRefused) -> Any:
@@ -114,4 +169,11 @@ async def serve_numbers_page(port: int, llm_config: Any) -> Any:
     return runner
 
 
-__all__ = ["KVFoldLLMServer", "KVFoldOpenAiIngress", "refused_response", "serve_numbers_page"]
+__all__ = [
+    "KVFoldLLMServer",
+    "KVFoldOpenAiIngress",
+    "ends_with_error_event",
+    "engine_failed_response",
+    "refused_response",
+    "serve_numbers_page",
+]

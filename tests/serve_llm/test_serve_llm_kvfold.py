@@ -191,3 +191,117 @@ def test_nothing_it_starts_listens_beyond_loopback(app: Any) -> None:
         except psutil.Error:
             continue
     assert wide == [], wide
+
+
+def _replica_pid(app: Any, rank: int) -> int:
+    """The Serve replica process of kvfold rank `rank`: the one serving its numbers page."""
+    import psutil
+
+    port = app.plan.of(rank).numbers
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in p.net_connections(kind="inet")):  # fmt: skip
+                return int(p.pid)
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no process serves rank {rank}'s numbers page on port {port}")
+
+
+def _requests_served(app: Any, rank: int) -> float:
+    """The engine's own count of requests it finished, from its numbers page."""
+    with urllib.request.urlopen(app.plan.urls[rank] + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("vllm:request_success_total{"))  # fmt: skip
+
+
+def _stream(url: str, body: dict[str, Any], begun: list[int]) -> tuple[int, str]:
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            first = r.read1()
+            begun.append(1)
+            return r.status, (first + r.read()).decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_a_replica_killed_mid_run_ends_its_requests_and_comes_back_a_new_incarnation(
+    app: Any,
+) -> None:
+    """Streams on both replicas, and answers not streamed (each engine holds the three it
+    is given, and two more); rank 1's replica process is killed (SIGKILL) once its streams
+    have begun. Each request ends: a whole stream, a stream whose last event is
+    `engine_failed` naming the failure, or (not streamed: sent again by the ingress) a
+    whole answer or a 429. Rank 1's promises are freed, it is dead in the
+    view and its blocks leave the index; Serve starts its successor, which takes rank 1 as
+    a new incarnation, and kvfold's router sends it requests again."""
+    import random
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvfold.view import SourceState
+
+    def door() -> dict[Any, Any]:
+        return dict(ray_get(app.door.stats.remote())["engines"])
+
+    wait_until(lambda: all(e["committed_blocks"] == 0 for e in door().values()), timeout_s=60)
+    old = {r.rank: r.incarnation for node in app.kv.view().nodes for r in node.ranks}
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 1000) for _ in range(200)] for _ in range(6)]
+    begun: list[int] = []
+    bodies = [{"model": "tiny-llama", "prompt": p, "max_tokens": 360, "ignore_eos": True,
+               "temperature": 0, "stream": i < 4} for i, p in enumerate(prompts)]  # fmt: skip
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(_stream, app.url, b, begun) for b in bodies]
+        wait_until(lambda: door()[1]["committed_blocks"] > 0 and len(begun) >= 2, timeout_s=120)
+        on_victim: Any = wait_until(  # in the index: its blocks were computed
+            lambda: [p for p in prompts if app.kv.client.index().match(p).gpu.get(1, 0)],
+            timeout_s=60, interval_s=0.2,
+        )  # fmt: skip
+        os.kill(_replica_pid(app, 1), signal.SIGKILL)
+        answers = [f.result(timeout=300) for f in futures]  # nothing waits forever
+    failed = 0
+    for body, (status, text) in zip(bodies, answers, strict=True):
+        if body["stream"]:
+            assert status == 200, text
+            events = [e for e in text.split("\n\n") if e.startswith("data: ")]
+            if events[-1] != "data: [DONE]":
+                error = json.loads(events[-1].removeprefix("data: "))["error"]
+                assert error["type"] == "engine_failed", error
+                assert error["message"].startswith("the engine replica serving this request")
+                failed += 1
+        elif status == 200:  # not streamed: whole (sent again if its replica died)
+            assert json.loads(text)["usage"]["completion_tokens"] == 360
+        else:  # sent again, it found no room within the queue's deadline
+            assert status == 429 and json.loads(text)["error"]["type"] == "kvfold_refused"
+    assert failed >= 1, answers  # a stream of the killed replica had begun
+    wait_until(lambda: door()[1]["committed_blocks"] == 0, timeout_s=30)  # its promises freed
+    view = app.kv.view
+    wait_until(lambda: view().rank_states()[1] is not SourceState.FRESH, timeout_s=30)
+    index = app.kv.client.index  # rank 1's blocks leave the index
+    wait_until(lambda: not any(index().match(p).gpu.get(1, 0) for p in on_victim),
+               timeout_s=60)  # fmt: skip
+
+    def successor() -> bool:
+        s = view().rank_summary(1)
+        return bool(s and s[0].state is SourceState.FRESH and s[0].incarnation != old[1])
+
+    wait_until(successor, timeout_s=300)  # Serve restarts the replica; rank 1 again
+    assert view().rank_summary(0)[0].incarnation == old[0]
+    wait_until(lambda: door()[1]["live"], timeout_s=60)
+    before = _requests_served(app, 1)
+    more = [[rng.randrange(3, 1000) for _ in range(200)] for _ in range(4)]
+    with ThreadPoolExecutor(len(more)) as pool:
+        served = list(pool.map(lambda p: _send(app.url, p, 64), more))
+    assert [status for status, _, _ in served] == [200] * len(more), served
+    assert _requests_served(app, 1) > before  # the router sends to the new incarnation
+
+
+def ray_get(ref: Any) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=60)
