@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvfold.stats import (
@@ -72,7 +73,7 @@ def node_to_dict(n: NodeUtilization, state: SourceState) -> dict[str, Any]:
                 "state": r.state.value,
                 "num_blocks_free": r.num_blocks_free,
                 "num_valid_sequences": r.num_valid_sequences,
-                "age_s": r.age_s,
+                "age_s": r.age_s if math.isfinite(r.age_s) else None,  # None: never heard from
                 "num_refused": r.num_refused,
                 "tickets": dict(r.tickets),
                 "unknown": sorted(r.unknown),

@@ -3,11 +3,13 @@ summaries, sums, cumulative counters and host stats, and the rank reports it ref
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvfold.codec.fields import (
+    MAX_COUNT,
     MAX_ID,
     MAX_RANKS_PER_NODE,
     MAX_REASONS,
@@ -49,6 +51,18 @@ class NodeReport:
     refused: dict[str, int]  # rank reports the node refused, by reason (cumulative)
 
 
+AGE_NEVER_MS = MAX_COUNT  # a rank never heard from (its age is infinite)
+
+
+def age_ms(age_s: float) -> int:
+    """A rank's age on the wire, in whole milliseconds; never heard from: AGE_NEVER_MS."""
+    return AGE_NEVER_MS if not math.isfinite(age_s) else min(int(age_s * 1000), AGE_NEVER_MS - 1)
+
+
+def age_s_of(ms: int) -> float:
+    return math.inf if ms == AGE_NEVER_MS else ms / 1000.0
+
+
 def encode_node_report(
     util: NodeUtilization,
     incarnation: int,
@@ -80,7 +94,7 @@ def _encode_node_report(
             r.incarnation,
             gauge_rows(r.gpu),
             r.num_valid_sequences,
-            int(r.age_s * 1000),
+            age_ms(r.age_s),
             ticket_rows(r.tickets)[-max_tickets:] if max_tickets else [],
             r.report_seq,
             r.num_refused,
@@ -160,7 +174,7 @@ def _rank_summaries(
                 incarnation=int_field(row[2], f"ranks[{i}] incarnation", MAX_ID),
                 gpu=gauges_field(row[3], f"ranks[{i}] gpu", windows),
                 num_valid_sequences=int_field(row[4], f"ranks[{i}] valid"),
-                age_s=int_field(row[5], f"ranks[{i}] age_ms") / 1000.0,
+                age_s=age_s_of(int_field(row[5], f"ranks[{i}] age_ms")),
                 tickets=tickets_field(row[6], f"ranks[{i}] tickets"),
                 report_seq=int_field(row[7], f"ranks[{i}] seq", MAX_ID),
                 num_refused=int_field(row[8], f"ranks[{i}] refused"),

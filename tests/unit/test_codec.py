@@ -75,6 +75,21 @@ def test_node_report_round_trip() -> None:
     assert back.util == util
 
 
+def test_a_rank_never_heard_from_round_trips_with_no_age() -> None:
+    """Ray said its actor died before it ever reported (the receiver records it dead, last
+    seen never): its age is infinite, and the node's report still encodes."""
+    from kvfold.aggregator.freshness import FreshnessTracker
+
+    fresh = FreshnessTracker(stale_after_s=1.0, dead_after_s=3.0)
+    fresh.mark_dead(9)
+    age = fresh.age_s(9, now_s=5.0)
+    records = {8: make_report(8, used=1), 9: RankRecord(None, fresh.state(9, 5.0), None, age)}
+    util = fold_node(TOPO, 2, records, None)
+    back = decode_node_report(encode_node_report(util, incarnation=3, seq=9), TOPO)
+    assert back.util == util
+    assert back.util.ranks[1].age_s == float("inf") and back.util.ranks[0].age_s == 0.0
+
+
 def expect(reason: str, data: object, **kw: object) -> None:
     with pytest.raises(ReportError) as e:
         decode_rank_report(data, TOPO, **kw)  # type: ignore[arg-type]
