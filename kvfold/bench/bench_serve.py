@@ -8,11 +8,13 @@ engines, four ways in one run, judged by the engines' own counters and the clien
                     vllm-router (the vLLM project's Rust router) in front of the engines:
                     power of two choices; its prefix tree of the token ids it sent; its
                     block index fed by the engines' own KV events
-    serve_llm_default, serve_llm_prefix
+    serve_llm_default, serve_llm_prefix, serve_llm_kvfold
                     a Ray Serve LLM application (build_openai_app) with as many replicas,
                     their engines started with the same vLLM arguments, behind its default
-                    router (power of two choices) or its PrefixCacheAffinityRouter (a text
-                    prefix tree: prompts go as their text, which tokenizes to the same ids)
+                    router (power of two choices), its PrefixCacheAffinityRouter (a text
+                    prefix tree), or kvfold's router and admission (kvfold.serving.serve_llm:
+                    its block index and promises); prompts go as their text, which
+                    tokenizes to the same ids
     least_loaded    kvfold's front door, least committed engine
     precise_prefix  kvfold's front door, by what each engine holds (the block index)
 
@@ -50,6 +52,7 @@ ARMS = (
     "vllm_router_kv_aware",
     "serve_llm_default",
     "serve_llm_prefix",
+    "serve_llm_kvfold",
     "least_loaded",
     "precise_prefix",
 )

@@ -11,10 +11,7 @@ default's settings, kvfold.ray_env), Serve's proxy on 127.0.0.1:P, and the appli
 - `default`: Serve LLM's default (power of two choices);
 - `prefix`: its `PrefixCacheAffinityRouter`;
 - `kvfold`: kvfold, launched on the same Ray instance with a rank per replica, its door and
-  router added by kvfold.serving.serve_llm. Not yet an arm of bench-serve: started here,
-  the door never finds kvfold's aggregator (in two tries, the second with the driver's
-  namespace as kvfold's); where launch stops on this plain `ray.init` instance is not
-  found yet. tests/serve_llm runs the same pieces on an embedded cluster, where they work.
+  router added by kvfold.serving.serve_llm (as examples/serve_llm_kvfold.py does).
 Each replica's engine reports vLLM's own metrics through Ray (`log_engine_metrics`), which
 Ray's metrics agent serves on 127.0.0.1:Q; with kvfold, vLLM's series stay in the replicas,
 on their numbers pages. When /v1/models answers it prints one line, `READY {json}` (with the
@@ -82,9 +79,11 @@ def llm_config(args: argparse.Namespace) -> Any:
 KVFOLD_NAMESPACE = "kvfold-serve-llm"
 
 
-def with_kvfold_here(args: argparse.Namespace, builder: dict[str, Any]) -> list[str]:
+def with_kvfold_here(args: argparse.Namespace, builder: dict[str, Any]) -> tuple[Any, list[str]]:
     """kvfold on this Ray instance (a rank per replica, the door) and in the builder
-    (kvfold.serving.serve_llm); the replicas' numbers pages, where their engines count."""
+    (kvfold.serving.serve_llm). kvfold's handle, to hold while the application serves (its
+    actors are this driver's: Ray ends them with their last handle), and the replicas'
+    numbers pages, where their engines count."""
     from kvfold.cluster import launch
     from kvfold.serving.door_actor import start_door
     from kvfold.serving.serve_llm import ServeLLMRanks, kvfold_ingress, with_kvfold
@@ -99,7 +98,7 @@ def with_kvfold_here(args: argparse.Namespace, builder: dict[str, Any]) -> list[
     )  # fmt: skip
     builder["llm_configs"] = [with_kvfold(c, plan, kv.namespace) for c in builder["llm_configs"]]
     builder["ingress_cls_config"] = kvfold_ingress()
-    return plan.urls
+    return kv, plan.urls
 
 
 def wait_models(base: str, timeout_s: float) -> float:
@@ -141,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         builder: dict[str, Any] = {"llm_configs": [llm_config(args)]}
         numbers: list[str] = []
+        kv = None  # kvfold's handle, held until the application stops
         if args.router == "kvfold":
-            numbers = with_kvfold_here(args, builder)
+            kv, numbers = with_kvfold_here(args, builder)
         serve.run(build_openai_app(builder), blocking=False)
         if args.router == "kvfold":
             ray.get(ray.get_actor(DOOR_ACTOR_NAME, namespace=KVFOLD_NAMESPACE).ready.remote(),
@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                  "numbers": numbers}  # fmt: skip
         print("READY " + json.dumps(ready), flush=True)
         sys.stdin.read()  # until the parent closes it
+        del kv
         return 0
     finally:
         try:

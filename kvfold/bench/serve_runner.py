@@ -28,9 +28,11 @@ VLLM_ROUTER_ARMS = {
 }
 
 # Ray Serve LLM's application (its own replicas' engines, same vLLM arguments), text prompts
-# (serve_llm_app's --router kvfold, for a serve_llm_kvfold arm, does not start yet: its door
-# never finds kvfold's aggregator there; not offered until it does)
-SERVE_LLM_ARMS = {"serve_llm_default": "default", "serve_llm_prefix": "prefix"}
+SERVE_LLM_ARMS = {
+    "serve_llm_default": "default",
+    "serve_llm_prefix": "prefix",
+    "serve_llm_kvfold": "kvfold",
+}
 
 
 def engine_settings(args: argparse.Namespace) -> Any:
