@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -101,6 +102,26 @@ def with_kvfold_here(args: argparse.Namespace, builder: dict[str, Any]) -> tuple
     return kv, plan.urls
 
 
+def log_door(door: Any, period_s: float = 1.0) -> None:
+    """Once every `period_s`, in the app's log: kvfold's queue, and which engines the door
+    counts live (fresh in kvfold's view), committed blocks and requests running."""
+    import ray
+
+    while True:
+        try:
+            s = ray.get(door.stats.remote(), timeout=10)
+        except Exception as e:  # the app is stopping; its log says why
+            print(f"kvfold door: {e!r}", flush=True)
+            return
+        engines = " ".join(
+            f"{r}:{'live' if e['live'] else 'OUT'}/{e['committed_blocks']}b/{e['running']}r"
+            for r, e in sorted(s["engines"].items())
+        )
+        print(f"kvfold door {time.monotonic():.1f}: queued {s['queued']} placed {s['placed']}"
+              f" {engines}", flush=True)  # fmt: skip
+        time.sleep(period_s)
+
+
 def wait_models(base: str, timeout_s: float) -> float:
     t0 = time.monotonic()
     while True:
@@ -153,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                  "metrics": f"http://127.0.0.1:{args.metrics_port}/metrics",
                  "numbers": numbers}  # fmt: skip
         print("READY " + json.dumps(ready), flush=True)
+        if kv is not None:
+            door = ray.get_actor(DOOR_ACTOR_NAME, namespace=KVFOLD_NAMESPACE)
+            threading.Thread(target=log_door, args=(door,), daemon=True).start()
         sys.stdin.read()  # until the parent closes it
         del kv
         return 0

@@ -51,12 +51,78 @@ def engine_settings(args: argparse.Namespace) -> Any:
 
 
 def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeRequest]) -> int:
-    """Start the engines, kvfold and Serve, run each arm, print and write the results."""
+    """Run each arm, print and write the results. Ray Serve LLM's arms come first, each with
+    the machine to itself (a Ray instance and engines of its own, nothing of the others'
+    running: on two cores, idle engines and a second kvfold still take their share); then
+    the engines, kvfold and Serve start for the other arms."""
+    from kvfold.bench.bench_serve import ARMS, format_table, write_outputs
     from kvfold.engines.engine_fleet import EngineFleet
-    from kvfold.engines.vllm_server import free_loopback_port
 
     # vLLM's default topic (""): vllm-router's kv_aware drops every batch under another
     fleet = EngineFleet(engine_settings(args), args.engines, topic="")
+    rows: list[dict[str, Any]] = []
+    per_request: list[dict[str, Any]] = []
+    commands: dict[str, str] = {}
+    for arm in [a for a in arms if a in SERVE_LLM_ARMS]:
+        run_serve_llm_arm(args, arm, fleet, requests, rows, per_request, commands)
+    others = [a for a in arms if a not in SERVE_LLM_ARMS]
+    if others:
+        run_with_fleet(args, others, requests, fleet, rows, per_request, commands)
+    rows.sort(key=lambda row: ARMS.index(row["arm"]))
+    meta = {k: v for k, v in vars(args).items() if k != "fn"}
+    meta["engine_command"] = shlex.join(fleet.servers[0].command())
+    meta["anchor_commands"] = commands
+    print()
+    print(format_table(rows))
+    for arm, cmd in commands.items():
+        print(f"{arm}: {cmd}")
+    for path in write_outputs(rows, meta, args.out, per_request):
+        print(f"wrote {path}")
+    return 0
+
+
+def run_serve_llm_arm(
+    args: argparse.Namespace,
+    arm: str,
+    fleet: Any,
+    requests: list[ServeRequest],
+    rows: list[dict[str, Any]],
+    per_request: list[dict[str, Any]],
+    commands: dict[str, str],
+) -> None:
+    """One Ray Serve LLM arm: its application (replicas started with the fleet's vLLM
+    arguments), the requests as text, its engines' own counters."""
+    from kvfold.bench.bench_serve import format_table, request_rows, run_arm
+    from kvfold.bench.serve_llm import ServeLlmApp, engine_kwargs_of
+
+    print(f"== {arm}: {len(requests)} requests", flush=True)
+    app = ServeLlmApp(
+        args.serve_llm_python, SERVE_LLM_ARMS[arm], args.engines,
+        engine_kwargs_of(fleet.servers[0].settings, fleet.servers[0].kv_cache_memory_bytes),
+        args.model_dir,
+    )  # fmt: skip
+    commands[arm] = shlex.join(app.command())
+    print(f"  {commands[arm]}", flush=True)
+    with app:
+        print(f"  {args.engines} replicas ready in {app.ready_s} s", flush=True)
+        row, seen = run_arm(arm, requests, app, _constant(app.url), "tiny-llama", as_text=True)
+    print(format_table([row]), flush=True)
+    rows.append(row)
+    per_request += request_rows(arm, requests, seen)
+
+
+def run_with_fleet(
+    args: argparse.Namespace,
+    arms: list[str],
+    requests: list[ServeRequest],
+    fleet: Any,
+    rows: list[dict[str, Any]],
+    per_request: list[dict[str, Any]],
+    commands: dict[str, str],
+) -> None:
+    """Start the engines, kvfold and Serve; run each of `arms` against them; stop them."""
+    from kvfold.engines.vllm_server import free_loopback_port
+
     relay = None
     endpoints = fleet.endpoints
     if "vllm_router_kv_aware" in arms:
@@ -81,7 +147,7 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
         print(f"engines up in {time.monotonic() - t0:.1f} s", flush=True)
         from ray import serve
 
-        from kvfold.bench.bench_serve import format_table, request_rows, run_arm, write_outputs
+        from kvfold.bench.bench_serve import format_table, request_rows, run_arm
         from kvfold.serving.engine_replica import engine_deployment
         from kvfold.serving.front_door import serve_front_door, start_serve
         from kvfold.serving.settings import FrontDoorSettings
@@ -92,8 +158,6 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
         proxy = f"http://127.0.0.1:{port}"
         urls = fleet.urls
         model = "tiny-llama"
-        rows, per_request = [], []
-        commands: dict[str, str] = {}
         door_options: dict[str, Any] = {
             k: v
             for k, v in (
@@ -112,21 +176,6 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
                 serve.run(engine_deployment(urls), name="engines", route_prefix="/engines")
                 row, seen = run_arm(arm, requests, urls, lambda i: proxy + "/engines", model)
                 serve.delete("engines")
-            elif arm in SERVE_LLM_ARMS:
-                from kvfold.bench.serve_llm import ServeLlmApp, engine_kwargs_of
-
-                app = ServeLlmApp(
-                    args.serve_llm_python, SERVE_LLM_ARMS[arm], args.engines,
-                    engine_kwargs_of(fleet.servers[0].settings,
-                                     fleet.servers[0].kv_cache_memory_bytes),
-                    args.model_dir,
-                )  # fmt: skip
-                commands[arm] = shlex.join(app.command())
-                print(f"  {commands[arm]}", flush=True)
-                with app:
-                    print(f"  {args.engines} replicas ready in {app.ready_s} s", flush=True)
-                    row, seen = run_arm(arm, requests, app, _constant(app.url), model,
-                                        as_text=True)  # fmt: skip
             elif arm in VLLM_ROUTER_ARMS:
                 from kvfold.bench.vllm_router import VllmRouter
 
@@ -160,16 +209,6 @@ def run_bench(args: argparse.Namespace, arms: list[str], requests: list[ServeReq
             print(format_table([row]), flush=True)
             rows.append(row)
             per_request += request_rows(arm, requests, seen)
-        meta = {k: v for k, v in vars(args).items() if k != "fn"}
-        meta["engine_command"] = shlex.join(fleet.servers[0].command())
-        meta["anchor_commands"] = commands
-        print()
-        print(format_table(rows))
-        for arm, cmd in commands.items():
-            print(f"{arm}: {cmd}")
-        for path in write_outputs(rows, meta, args.out, per_request):
-            print(f"wrote {path}")
-        return 0
     finally:
         try:
             from ray import serve as serve_
