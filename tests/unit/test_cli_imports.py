@@ -34,7 +34,7 @@ def test_nothing_before_the_embedded_cluster_imports_ray(command: str, tmp_path:
         "demo": ["demo"],
         "replay": ["replay", str(trace), "--schedulers", "2"],
         "compare": ["compare", str(trace), "--limit", "1"],
-        "bench-serve": ["bench-serve", str(trace), "--limit", "1"],
+        "bench-serve": ["bench-serve", str(trace), "--limit", "1", "--arms", "round_robin"],
     }[command]
     res = subprocess.run(
         [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=120
