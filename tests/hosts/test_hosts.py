@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -226,3 +227,48 @@ def test_a_brief_cut_makes_the_host_stale_and_it_comes_back(cluster: Cluster, wa
         f"brief cut of {BRIEF_CUT_S} s: host 2's node {node} stale {t_stale:.2f} s after the "
         f"cut (states seen: {sorted(set(states))}), fresh {t_back:.2f} s after the heal"
     )
+
+
+def _listeners(hosts: Hosts, i: int) -> list[tuple[str, int, int, str]]:
+    """Every listening TCP socket in host i: (address, port, pid, process)."""
+    import psutil
+
+    done = subprocess.run(["ip", "netns", "exec", hosts.names[i], "ss", "-ltnpH"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    out = []
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        local = parts[3]
+        addr, port = local.rsplit(":", 1)
+        for pid in (int(p) for p in re.findall(r"pid=(\d+)", line)):
+            try:
+                name = " ".join(psutil.Process(pid).cmdline())[:60]
+            except psutil.Error:
+                name = "?"
+            out.append((addr.strip("[]"), int(port), pid, name))
+    return out
+
+
+KVFOLD_ACTORS = ("ray::ClusterAggregator", "ray::RankWorker", "ray::HostKVActor",
+                 "ray::EngineRankActor", "ray::RackActor", "ray::DoorActor")  # fmt: skip
+
+
+def test_nothing_kvfold_starts_listens_beyond_what_ray_opens(cluster: Cluster) -> None:
+    """Every listening socket on every host, by process. What listens beyond loopback is
+    Ray's own (GCS, raylet, its agents, Ray Client on the head, each worker's gRPC server);
+    a process that holds a kvfold actor listens there on one port only, its Ray worker's:
+    kvfold itself opens nothing another host could reach (its metrics endpoint, off here,
+    binds 127.0.0.1 unless told otherwise)."""
+    seen = []
+    for i in range(1 + WORKERS):
+        wide: dict[int, list[tuple[str, int]]] = {}
+        for addr, port, pid, name in _listeners(cluster.hosts, i):
+            seen.append((i, addr, port, name.split()[0]))
+            if addr.removeprefix("::ffff:").startswith("127.") or addr == "::1":
+                continue
+            if name.startswith(KVFOLD_ACTORS):
+                wide.setdefault(pid, []).append((addr, port))
+        for pid, socks in wide.items():
+            assert len(socks) == 1, (i, pid, socks)  # its Ray worker's gRPC server alone
+    actors = {row[3] for row in seen if row[3].startswith(KVFOLD_ACTORS)}
+    assert {"ray::ClusterAggregator", "ray::RankWorker", "ray::HostKVActor"} <= actors, seen
