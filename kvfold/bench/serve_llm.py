@@ -2,8 +2,8 @@
 `serve_llm_prefix` of `kvfold bench-serve`, and `serve_llm_kvfold`, the same application
 with kvfold inside it (kvfold.serving.serve_llm). Standard library only. The application
 runs in the engine virtualenv, where Ray Serve LLM lives beside vLLM (`make test` builds
-it), with a Ray instance of its own (kvfold.bench.serve_llm_app), because Ray Serve LLM starts its engines
-inside its replicas and needs Ray and vLLM in one environment.
+it), with a Ray instance of its own (kvfold.bench.serve_llm_app), because Ray Serve LLM
+starts its engines inside its replicas and needs Ray and vLLM in one environment.
 
     ServeLlmApp(python, router, replicas, engine_kwargs, model_dir)
       .command()        its argv, printed with the results
