@@ -124,8 +124,7 @@ class Hosts:
         _ip("-n", self.switch, "link", "set", f"{self.prefix}b{i}", "up")
 
     def close(self) -> None:
-        for proc in self.procs:
-            end_group(proc)
+        end_groups(self.procs)
         self.procs.clear()
         for ns in reversed(self._made):  # deleting a namespace deletes its veth ends
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -139,6 +138,22 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def end_groups(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGTERM to every process's group at once, then SIGKILL to what is left of each after
+    `grace_s` in all (Ray's `ray start --block` stops its node on SIGTERM)."""
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        _signal_group(proc.pid, signal.SIGKILL)  # what it started, even after it exited
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
 
 
 def end_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
@@ -218,4 +233,12 @@ def wait_for(cond: object, timeout_s: float, what: str, interval_s: float = 0.2)
     raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
 
 
-__all__ = ["RAY_PORT", "Hosts", "RayHost", "end_group", "namespaces_allowed", "wait_for"]
+__all__ = [
+    "RAY_PORT",
+    "Hosts",
+    "RayHost",
+    "end_group",
+    "end_groups",
+    "namespaces_allowed",
+    "wait_for",
+]
